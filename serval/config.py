@@ -1,0 +1,72 @@
+"""Frozen configuration built once at the edge (CLI, config file, `LLM(...)`) and passed down explicitly.
+
+A leaf module: every layer may import it. Validation raises ValueError; nothing patches a config later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Path to a .gguf file or a Hugging Face directory; None means the embedded default model.
+    model: str | None = None
+    # "auto" picks bf16 where the CPU has native bf16 dot products (or on CUDA), fp32 otherwise.
+    dtype: str = "auto"
+    # "auto": CUDA when available, else the CPU.
+    device: str = "auto"
+    # Longest prompt + completion; None: the model's own context length.
+    max_model_len: int | None = None
+    seed: int = 0  # seeds the global generator used by unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Memory for the paged KV cache; the number of blocks follows from it and the model's shape.
+    kv_cache_memory_bytes: int = 1 * GIB
+    # Overrides the memory budget with an exact block count (tests use it to force preemption).
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most requests running at once.
+    max_num_seqs: int = 64
+    # Token budget of one step, shared by decodes and prefill chunks.
+    max_num_batched_tokens: int = 512
+    # Requests waiting beyond this are refused (the API answers 429).
+    max_queue_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_queue_len < 1:
+            raise ValueError("max_queue_len must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

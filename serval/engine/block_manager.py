@@ -1,0 +1,135 @@
+"""BlockManager: the paged KV cache's bookkeeping: block reference counts, free list and prefix cache.
+
+A block holds `block_size` consecutive tokens of one or more requests' contexts. A full block is named by a
+hash chained over every token before it (hash(parent_hash, its tokens)), so equal hashes mean equal
+prefixes and the block can be shared. Freed blocks keep their hash and stay findable until the free list
+hands them out again, least recently freed first; that is the prefix cache's LRU eviction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from serval.engine.request import Request
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block id, for full blocks
+        # Blocks with no reference, in eviction order (first = next to hand out). Blocks without a hash go
+        # to the front: they hold nothing worth keeping.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Counters for metrics: prompt tokens looked up in and found in the prefix cache.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's context (not yet referenced).
+
+        At least one token is always left to compute: the step that computes it yields the next logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids, parent = [], b""
+        for i in range(max_blocks):
+            tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
+        total_tokens = request.num_computed_tokens + num_cached_blocks * self.block_size + num_new_tokens
+        total_blocks = -(-total_tokens // self.block_size)
+        return max(0, total_blocks - len(request.block_ids) - num_cached_blocks)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        # Cached blocks that nobody references sit in the free list: taking them shrinks it too.
+        num_cached_free = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        needed = self.num_blocks_needed(request, num_new_tokens, len(cached_block_ids))
+        return needed + num_cached_free <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> None:
+        """Give the request blocks for `num_new_tokens` more tokens, first taking the cached prefix blocks."""
+        assert self.can_allocate(request, num_new_tokens, cached_block_ids)
+        if cached_block_ids:
+            assert request.num_computed_tokens == 0 and not request.block_ids
+            for block_id in cached_block_ids:
+                self._reference(block_id)
+                request.block_ids.append(block_id)
+                request.block_hashes.append(self.block_hash[block_id])
+            num_cached_tokens = len(cached_block_ids) * self.block_size
+            request.num_computed_tokens = num_cached_tokens
+            self.num_hit_tokens += num_cached_tokens
+        for _ in range(self.num_blocks_needed(request, num_new_tokens)):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block_id)
+            self.ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Name the request's newly completed blocks in the prefix cache (after their tokens are computed)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else b""
+            tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block_hash = hash_block(parent, tokens)
+            request.block_hashes.append(block_hash)
+            block_id = request.block_ids[i]
+            if block_hash not in self.cached_blocks and self.block_hash[block_id] is None:
+                self.block_hash[block_id] = block_hash
+                self.cached_blocks[block_hash] = block_id
+
+    def free(self, request: Request) -> None:
+        # Tail blocks first, so a shared prefix's head is the last thing evicted.
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        request.block_ids = []
+        request.block_hashes = []
+
+    def record_query(self, num_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+
+    def _reference(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_blocks[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            if self.cached_blocks.get(block_hash) == block_id:
+                del self.cached_blocks[block_hash]
+            self.block_hash[block_id] = None

@@ -1,0 +1,189 @@
+"""Engine: token ids in, token-id deltas out. One `step()` = schedule, run the model, update requests.
+
+Single-threaded by design; `client.py` runs it on its own thread for the async front end, `llm.py` calls
+`step()` directly for offline use.
+"""
+
+from __future__ import annotations
+
+import time
+
+from serval.config import EngineConfig
+from serval.engine.block_manager import BlockManager
+from serval.engine.outputs import RequestOutput, TokenLogprob
+from serval.engine.request import Request
+from serval.engine.scheduler import Scheduler, SchedulerOutput
+from serval.model_source import ModelSource, resolve_model
+from serval.runner.batch import Batch, SamplerOutput, SamplingRow
+from serval.runner.runner import ModelRunner
+from serval.sampling import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus the tokens asked for) can't fit the context or the KV cache."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None):
+        self.config = config
+        self.source = source or resolve_model(config.model.model)
+        self.runner = ModelRunner(config.model, config.cache, self.source)
+        info = self.runner.info
+        # A request can never hold more tokens than the whole cache, whatever the model's context.
+        self.max_model_len = min(info.max_model_len, info.num_blocks * info.block_size)
+        self.block_manager = BlockManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests in and out
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(len(prompt_token_ids), params)
+        vocab_size = self.runner.info.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        request = Request(request_id, prompt_token_ids, params, eos_token_ids)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty: at least one token is needed")
+        needed = num_prompt_tokens + (params.max_tokens or 1)
+        if num_prompt_tokens >= self.max_model_len or needed > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{num_prompt_tokens} tokens and {params.max_tokens or 1} more were requested "
+                f"({needed} in all)"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request)
+        request.finish_reason = "abort"
+        return self._output(request, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        self.num_steps += 1
+        self.num_preemptions += len(scheduled.preempted)
+        batch = self._build_batch(scheduled)
+        started = time.monotonic()
+        sampled = self.runner.execute(batch)
+        elapsed = time.monotonic() - started
+        return self._update(scheduled, batch, sampled, started, elapsed)
+
+    def _build_batch(self, scheduled: SchedulerOutput) -> Batch:
+        token_ids: list[int] = []
+        sample_indices: list[int] = []
+        rows: list[SamplingRow] = []
+        for i, (request, num_new, num_computed) in enumerate(
+            zip(scheduled.requests, scheduled.num_new_tokens, scheduled.num_computed_tokens)
+        ):
+            token_ids.extend(request.token_ids[num_computed : num_computed + num_new])
+            if num_computed + num_new == request.num_tokens:
+                sample_indices.append(i)
+                rows.append(_sampling_row(request))
+        return Batch(
+            token_ids=token_ids,
+            num_new_tokens=list(scheduled.num_new_tokens),
+            num_computed_tokens=list(scheduled.num_computed_tokens),
+            block_tables=[list(r.block_ids) for r in scheduled.requests],
+            sample_indices=sample_indices,
+            sampling=rows,
+        )
+
+    def _update(
+        self, scheduled: SchedulerOutput, batch: Batch, sampled: SamplerOutput, started: float, elapsed: float
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        batch_size = len(scheduled.requests)
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens):
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = started
+            if request.num_output_tokens == 0:
+                request.metrics.prefill_time_ms += elapsed * 1000.0
+        outputs = []
+        for row, seq_index in enumerate(batch.sample_indices):
+            request = scheduled.requests[seq_index]
+            token_id = sampled.token_ids[row]
+            self._record_timing(request, batch_size, started, elapsed, now)
+            request.append_token(token_id)
+            self.num_generated_tokens += 1
+            logprob = None
+            if sampled.logprobs is not None and request.params.logprobs is not None:
+                logprob = [TokenLogprob(token_id, sampled.logprobs[row], sampled.top_logprobs[row])]
+            finished = request.check_stop(self.max_model_len)
+            if finished:
+                self.scheduler.finish(request)
+                del self.requests[request.request_id]
+            outputs.append(self._output(request, [token_id], logprob))
+        return outputs
+
+    def _record_timing(self, request: Request, batch_size: int, started: float, elapsed: float, now: float):
+        m = request.metrics
+        m.batch_sizes.append(batch_size)
+        m.queue_wait_us.append(max(0, int((started - request.last_token_time) * 1e6)))
+        if request.num_output_tokens == 0:
+            m.first_token_time = now
+        else:
+            m.decode_time_ms.append(elapsed * 1000.0)
+        request.last_token_time = now
+
+    def _output(self, request: Request, new_token_ids: list[int], logprobs) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finished=request.finish_reason is not None,
+            finish_reason=request.finish_reason,
+            stop_token_id=request.stop_token_id,
+            metrics=request.metrics,
+        )
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    p = request.params
+    banned: list[int] = []
+    if request.num_output_tokens < p.min_tokens:
+        banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))
+    needs_history = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+    return SamplingRow(
+        temperature=p.temperature if not p.is_greedy else 0.0,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        num_logprobs=p.logprobs,
+        generator=request.generator,
+        output_token_ids=request.output_token_ids if needs_history else [],
+        prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+        banned_token_ids=banned,
+    )

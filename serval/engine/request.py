@@ -1,0 +1,90 @@
+"""Request: one sequence's state inside the engine, a few counters plus its KV block ids.
+
+`num_computed_tokens` catches up with `num_tokens` (prompt + outputs); there are no prefill or decode phases.
+Preemption resets it to zero and the request recomputes its whole context later.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from serval.engine.outputs import RequestMetrics
+from serval.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.params = params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt then outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks, in order
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=now)
+        self.last_token_time = now  # when the previous token was produced (or arrival)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Decide after a new token whether the request is done; sets finish_reason."""
+        last = self.token_ids[-1]
+        under_min = self.num_output_tokens <= self.params.min_tokens
+        if not under_min and not self.params.ignore_eos and last in self.eos_token_ids:
+            self.finish_reason, self.stop_token_id = "stop", last
+        elif not under_min and last in self.stop_token_ids:
+            self.finish_reason, self.stop_token_id = "stop", last
+        elif self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+        elif self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

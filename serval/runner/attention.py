@@ -1,0 +1,120 @@
+"""Attention over the paged KV cache, in plain PyTorch (the reference backend).
+
+The cache of one layer is two flat tensors of slots, (num_blocks * block_size, num_kv_heads, head_dim);
+slot = block_id * block_size + offset. A step's tokens are flattened into one varlen batch. Everything that
+depends only on the step (slot mapping, gather indices, masks) is built once in `AttentionMetadata.build`
+and reused by every layer, so per-layer work is tensor ops only.
+
+Sequences that compute one token (decodes) run as one padded SDPA call; sequences that compute several
+(prefill chunks) run one SDPA call each, causal with an offset when part of their context is already cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    token_start: int  # first row of this sequence's tokens in the flat batch
+    num_new_tokens: int
+    context_len: int  # cached tokens + new tokens
+    context_slots: torch.Tensor | None  # (context_len,) slots of the whole context; None: no cached part
+    mask: torch.Tensor | None  # (num_new_tokens, context_len) bool, True = may attend; None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (num_tokens,) where each new token's K/V is written
+    decode_rows: torch.Tensor | None  # (num_decodes,) rows of the flat batch that are single-token sequences
+    decode_slots: torch.Tensor | None  # (num_decodes, max_context_len) slots to gather, padded with slot 0
+    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_context_len) bool, False on padding
+    prefills: list[PrefillSlice]
+
+    @classmethod
+    def build(
+        cls,
+        num_new_tokens: list[int],
+        num_computed_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_contexts: list[list[int]] = []
+        prefills: list[PrefillSlice] = []
+        row = 0
+        for num_new, num_computed, table in zip(num_new_tokens, num_computed_tokens, block_tables):
+            context_len = num_computed + num_new
+            context_slots = _slots_of(table, 0, context_len, block_size)
+            slots.extend(context_slots[num_computed:])
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_contexts.append(context_slots)
+            elif num_computed == 0:
+                prefills.append(PrefillSlice(row, num_new, context_len, None, None))
+            else:
+                # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
+                q_pos = torch.arange(num_computed, context_len, device=device)
+                k_pos = torch.arange(context_len, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+                slots_t = torch.tensor(context_slots, dtype=torch.long, device=device)
+                prefills.append(PrefillSlice(row, num_new, context_len, slots_t, mask))
+            row += num_new
+        decode_rows_t = decode_slots = decode_mask = None
+        if decode_rows:
+            max_len = max(len(c) for c in decode_contexts)
+            padded = [c + [0] * (max_len - len(c)) for c in decode_contexts]
+            lens = torch.tensor([len(c) for c in decode_contexts], device=device)
+            decode_rows_t = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            decode_slots = torch.tensor(padded, dtype=torch.long, device=device)
+            decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_rows=decode_rows_t,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+
+def _slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim), RoPE applied
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), RoPE applied
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        q_dec = q[meta.decode_rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)
+        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # (num_decodes, num_kv_heads, max_len, head_dim)
+        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[meta.decode_rows] = o.squeeze(2)
+    for p in meta.prefills:
+        rows = slice(p.token_start, p.token_start + p.num_new_tokens)
+        q_p = q[rows].transpose(0, 1)  # (num_heads, num_new, head_dim)
+        if p.context_slots is None:
+            k_p, v_p = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k_p = k_cache[p.context_slots].transpose(0, 1)  # (num_kv_heads, context_len, head_dim)
+            v_p = v_cache[p.context_slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out

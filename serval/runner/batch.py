@@ -1,0 +1,50 @@
+"""Batch: what the engine asks the runner to compute in one step, and what comes back.
+
+The runner owns this contract. Plain lists of ints and floats: no Request objects cross into the runner.
+Sequences appear in one order throughout; each contributes `num_new_tokens[i]` consecutive tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    """How to pick the next token of one sequence that completes its context this step."""
+
+    temperature: float  # 0: greedy
+    top_k: int  # 0: off
+    top_p: float  # 1: off
+    min_p: float  # 0: off
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    num_logprobs: int | None  # None: none; k: the chosen token's logprob and the top k
+    generator: torch.Generator | None  # the request's own generator when it has a seed
+    output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
+    prompt_token_ids: list[int] = field(default_factory=list)  # with the outputs, for repetition_penalty
+    banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while under min_tokens
+
+
+@dataclass
+class Batch:
+    token_ids: list[int]  # the new tokens of every sequence, concatenated
+    num_new_tokens: list[int]  # per sequence
+    num_computed_tokens: list[int]  # per sequence: tokens already in the KV cache (position of its first new one)
+    block_tables: list[list[int]]  # per sequence: its KV blocks in order
+    sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
+    sampling: list[SamplingRow]  # one per entry of sample_indices
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled sequence, in sample_indices order
+    logprobs: list[float] | None  # log-probability of each chosen token (when any row asked)
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, its top k (token_id, logprob)

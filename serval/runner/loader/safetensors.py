@@ -1,0 +1,52 @@
+"""Weights of a Hugging Face directory: config.json and one or many *.safetensors shards."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+
+def read_hf_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def safetensors_files(directory: str) -> list[str]:
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    paths = [os.path.join(directory, s) for s in shards]
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"weight shard {p} named by the index is missing")
+    return paths
+
+
+def iter_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(directory)
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            names.extend((path, name) for name in f.keys())
+    with tqdm(total=len(names), desc="loading weights", unit="tensor", disable=None) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)

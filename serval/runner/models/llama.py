@@ -1,0 +1,162 @@
+"""The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
+names and are packed into fused q/k/v and gate/up matrices as they load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from serval.runner.attention import AttentionMetadata, paged_attention
+from serval.runner.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_inverse_frequencies
+from serval.runner.models.arch import ArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden_size)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face parameter suffix -> (our fused parameter, which shard of it).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, False)
+        self.max_positions = max_positions
+        self.rotary = self._make_rotary(None)
+
+    def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
+        arch = self.arch
+        inv_freq = rope_inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors)
+        return RotaryEmbedding(arch.head_dim, self.max_positions, inv_freq)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
+    ) -> torch.Tensor:  # (num_rows, vocab_size) float32
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        x = self.norm(x[logit_rows])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (x @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == "rotary_emb.freq_factors":
+                self.rotary = self._make_rotary(tensor).to(self.embed_tokens.weight.device)
+                continue
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config
+            if self.lm_head is None and name == "lm_head.weight":
+                continue  # some tied checkpoints still carry a copy
+            target, shard = name, None
+            for suffix, (fused, index) in _FUSED.items():
+                if f".{suffix}." in f".{name}":
+                    target, shard = name.replace(suffix, fused), index
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    _copy_checked(param, tensor, hf_name)
+                else:
+                    start, size = self._shard_range(target, shard)
+                    _copy_checked(param.narrow(0, start, size), tensor, hf_name)
+            loaded.add(f"{target}#{shard}")
+        self._check_all_loaded(loaded)
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        arch = self.arch
+        if "qkv_proj" in fused_name:
+            q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+            return [(0, q), (q, kv), (q + kv, kv)][shard]
+        return shard * arch.intermediate_size, arch.intermediate_size
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        expected = set()
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif "gate_up_proj" in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(f"{name}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,34 @@
+"""Registry of model architectures by their Hugging Face name, imported lazily on first use.
+
+Protocol of a model class: `__init__(arch: ArchConfig, max_positions: int)`, `load_weights(iterable of
+(hf_name, tensor))`, and `forward(input_ids, positions, kv_caches, meta, logit_rows) -> logits`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture name -> (module, class). Mistral and Qwen differ from Llama only in ArchConfig flags.
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+}
+
+
+class UnknownArchitectureError(ValueError):
+    pass
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type:
+    if architecture not in _ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"unknown architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module_name, class_name = _ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,127 @@
+"""ModelRunner: owns the model, its paged KV cache and the sampler; turns a Batch into sampled tokens.
+
+Tensors only. The engine decides what to compute; the runner computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serval.config import CacheConfig, ModelConfig
+from serval.model_source import ModelSource
+from serval.runner.attention import AttentionMetadata
+from serval.runner.batch import Batch, SamplerOutput
+from serval.runner.loader.load import load_model, read_arch_config
+from serval.runner.models.arch import ArchConfig
+from serval.runner.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the engine needs to know about the runner to plan: sizes, not tensors."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource):
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.arch: ArchConfig = read_arch_config(source)
+        self.max_model_len = min(
+            model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+        )
+        self.model = load_model(source, self.arch, self.dtype, self.device, self.max_model_len)
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config.kv_cache_memory_bytes)
+        self.kv_caches = self._allocate_kv_cache()
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(model_config.seed)
+        self.sampler = Sampler(generator)
+
+    @property
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+
+    def _bytes_per_block(self) -> int:
+        a = self.arch
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element_size
+
+    def _blocks_for_budget(self, budget_bytes: int) -> int:
+        num_blocks = budget_bytes // self._bytes_per_block()
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={budget_bytes} holds fewer than 2 KV blocks")
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        a = self.arch
+        shape = (self.num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(a.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: Batch) -> torch.Tensor:
+        """Run the model over the batch; logits (len(sample_indices), vocab_size) float32 of sampled rows."""
+        device = self.device
+        positions: list[int] = []
+        for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
+            positions.extend(range(num_computed, num_computed + num_new))
+        ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1  # last token row of each sequence
+        logit_rows = ends[batch.sample_indices].to(device)
+        meta = AttentionMetadata.build(
+            batch.num_new_tokens, batch.num_computed_tokens, batch.block_tables, self.block_size, device
+        )
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
+        return self.model(input_ids, position_ids, self.kv_caches, meta, logit_rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> SamplerOutput:
+        if not batch.sample_indices:
+            self.compute_logits(batch)
+            return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)
+        logits = self.compute_logits(batch)
+        return self.sampler(logits, batch.sampling)
