@@ -1,0 +1,214 @@
+"""EngineClient: the seam between an asyncio front end and the engine running on its own thread.
+
+The engine thread owns the Engine: only it calls add/abort/step. The event loop talks to it through a
+command queue, and gets each request's deltas back on an asyncio.Queue of its own. Closing a generate()
+iterator early (a client that went away) aborts its request, whose blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from serval.config import EngineConfig
+from serval.engine.engine import Engine
+from serval.engine.outputs import RequestOutput
+from serval.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped, or a step failed and took the requests in flight with it."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int  # of those, tokens found
+    num_steps: int
+    num_preemptions: int
+    num_generated_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineClient:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_pending
+        self._num_pending = 0  # adds sent but not yet taken by the engine thread
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serval-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> EngineClient:
+        return cls(Engine(config))
+
+    # ---- event-loop side
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine has stopped")
+        self.engine.check_prompt(len(prompt_token_ids), params)  # ValueError with the numbers
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            num_waiting = len(self.engine.scheduler.waiting) + self._num_pending
+            if num_waiting >= self.engine.config.scheduler.max_queue_len:
+                raise QueueFullError(f"{num_waiting} requests are already waiting")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._num_pending += 1
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
+        finished = False
+        try:
+            while True:
+                output = await stream.queue.get()
+                if isinstance(output, Exception):
+                    finished = True
+                    raise output
+                if output.error is not None and output.finish_reason == "abort":
+                    finished = True
+                    raise ValueError(output.error)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        engine = self.engine
+        bm = engine.block_manager
+        return EngineStats(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting) + self._num_pending,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_prefix_cache_queries=bm.num_queried_tokens,
+            num_prefix_cache_hits=bm.num_hit_tokens,
+            num_steps=engine.num_steps,
+            num_preemptions=engine.num_preemptions,
+            num_generated_tokens=engine.num_generated_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout=10)
+
+    # ---- engine-thread side
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            # Block for work when idle; otherwise just drain what arrived during the last step.
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self._stopped.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 - a failed step must not kill the server
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all("internal error while generating")
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt_token_ids, params, eos_token_ids = command
+            with self._lock:
+                self._num_pending -= 1
+                wanted = request_id in self._streams
+            if not wanted:
+                return  # the caller went away before the engine saw the request
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, eos_token_ids)
+            except ValueError as e:
+                self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))
+        elif kind == "abort":
+            output = self.engine.abort_request(command[1])
+            if output is not None:
+                self._deliver(output)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(output, EngineDeadError(message))
+
+    def _deliver(self, output: RequestOutput, failure: Exception | None = None) -> None:
+        # A failure is delivered in place of the output: generate() raises it in the caller.
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failure or output)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
+
+
+def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_logprobs=None,
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=0,
+        num_output_tokens=0,
+        finished=True,
+        finish_reason="abort",
+        error=message,
+    )

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny random-weight checkpoints written once per session, and the default model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.tiny_models import write_tiny_model
+
+ARCHITECTURES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """(architecture, tied) -> (directory, transformers model); each written once."""
+    made: dict = {}
+
+    def make(architecture: str, tie_word_embeddings: bool = False):
+        key = (architecture, tie_word_embeddings)
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"tiny-{architecture}-{'tied' if tie_word_embeddings else 'untied'}")
+            made[key] = (str(directory), write_tiny_model(str(directory), architecture, tie_word_embeddings))
+        return made[key]
+
+    return make
