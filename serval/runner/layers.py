@@ -21,10 +21,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 like the reference implementations, then cast back.
+        # Computed in fp32 whatever comes in; the result is in the weights' (the model's compute) dtype, so
+        # an fp32 residual stream feeds bf16 matmuls directly.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return (x32 * self.weight.float()).to(self.weight.dtype)
 
 
 def rope_inverse_frequencies(

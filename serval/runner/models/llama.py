@@ -60,8 +60,10 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is the residual stream, kept in fp32: these models carry outlier activations in the tens of
+        # thousands (attention sinks), where bf16's 8-bit mantissa loses whole units and greedy output drifts.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta).float()
+        return x + self.mlp(self.post_attention_layernorm(x)).float()
 
 
 # Hugging Face parameter suffix -> (our fused parameter, which shard of it).
@@ -98,8 +100,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.embed_tokens(input_ids).float()  # (num_tokens, hidden_size), the fp32 residual stream
+        cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logit_rows])
