@@ -1,0 +1,244 @@
+"""Reading a llama.cpp GGUF file as a Hugging Face checkpoint: a config.json-style dict and named weights.
+
+Owns the translation from llama.cpp's conventions to Hugging Face's: metadata keys to config fields, tensor
+names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`) and, for the llama architecture,
+undoing the converter's reordering of q/k rows. The byte layouts of quantized data live in `dequant.py`.
+Everything downstream of this module sees the same names and values a safetensors checkpoint would give.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from tqdm import tqdm
+
+from serval.runner.loader.dequant import (
+    SUPPORTED_TYPES,
+    UnsupportedQuantizationError,
+    dequantize,
+    is_supported,
+)
+
+# general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
+_ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
+    {
+        "llama": ("LlamaForCausalLM", "llama"),
+        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    }
+)
+# Architectures whose converter interleaves the two rotary halves of every q/k head (see _unpermute_rows).
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_NAMES: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+        # Llama 3.1's rope scaling, baked by the converter into one factor per rotary frequency
+        "rope_freqs.weight": "model.rotary_emb.freq_factors",
+    }
+)
+_LAYER_NAMES: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The file's general.architecture is not one serval can run."""
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A memory-mapped reader, with clear errors for a missing or unreadable file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not os.path.isfile(path):
+        raise ValueError(f"not a GGUF file (not a regular file): {path}")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as error:
+        # GGUFReader fails on bad bytes in whatever way numpy does; one error type is easier to handle
+        raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {error}") from error
+
+
+def metadata_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The decoded value of one metadata key (str, int, float, bool or a list of them), or `default`."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _float(value: float) -> float:
+    # GGUF stores these as float32; print them the way float32 does so 1e-5 reads 1e-05, not 9.99999974e-06
+    return float(str(np.float32(value)))
+
+
+def _architecture(reader: GGUFReader) -> str:
+    arch = metadata_value(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        supported = ", ".join(sorted(_ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported; supported architectures: {supported}"
+        )
+    return arch
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    """Hugging Face `rope_scaling` from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
+    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+    legacy_factor = metadata_value(reader, f"{arch}.rope.scale_linear")
+    if kind is None and legacy_factor is not None:
+        kind, factor = "linear", legacy_factor
+    if kind in (None, "none"):
+        return None
+    if factor is None:
+        raise ValueError(f"GGUF rope scaling type {kind!r} has no {arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _float(factor)}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": _float(factor)}
+        optional = {
+            "original_max_position_embeddings": "original_context_length",
+            "beta_fast": "yarn_beta_fast",
+            "beta_slow": "yarn_beta_slow",
+            "attention_factor": "attn_factor",
+        }
+        for hf_key, gguf_key in optional.items():
+            value = metadata_value(reader, f"{arch}.rope.scaling.{gguf_key}")
+            if value is not None:
+                scaling[hf_key] = value if isinstance(value, int) else _float(value)
+        return scaling
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
+
+
+def config_from_reader(reader: GGUFReader) -> dict[str, Any]:
+    """The config dict of an already open file (see read_gguf_config)."""
+    arch = _architecture(reader)
+
+    def required(key: str) -> Any:
+        value = metadata_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {arch}.{key}")
+        return value
+
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    hidden_size = required("embedding_length")
+    num_heads = required("attention.head_count")
+    num_kv_heads = metadata_value(reader, f"{arch}.attention.head_count_kv", num_heads)
+    vocab_size = metadata_value(reader, f"{arch}.vocab_size")
+    if vocab_size is None:
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        vocab_size = len(tokens.data)  # one data part per token; no need to decode the strings
+    class_name, model_type = _ARCHITECTURES[arch]
+    config: dict[str, Any] = {
+        "architectures": [class_name],
+        "model_type": model_type,
+        "hidden_size": hidden_size,
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
+        "num_attention_heads": num_heads,
+        # NOTE: some converters write per-layer lists here; the dense models served here have one value
+        "num_key_value_heads": max(num_kv_heads) if isinstance(num_kv_heads, list) else num_kv_heads,
+        "head_dim": metadata_value(reader, f"{arch}.attention.key_length", hidden_size // num_heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": _float(required("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float(metadata_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": required("context_length"),
+        "vocab_size": vocab_size,
+        # llama.cpp writes output.weight only when the head is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
+    if pad_token_id is not None:
+        config["pad_token_id"] = pad_token_id
+    rope_scaling = _rope_scaling(reader, arch)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def read_gguf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face config.json-style dict built from the file's metadata and tensor names."""
+    return config_from_reader(open_gguf(path))
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a llama.cpp tensor name; ValueError for one this loader does not know."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order, restoring Hugging Face's.
+
+    Hugging Face's rotary embedding pairs dimension i of a head with i + head_dim/2 (two halves); ggml's
+    pairs 2i with 2i + 1 (interleaved), so the converter reorders each head's rows from [half 0; half 1]
+    to [r0 of half 0, r0 of half 1, r1 of half 0, ...]. Reading a head's rows as (head_dim/2, 2) and
+    transposing to (2, head_dim/2) puts them back. Works for weights (rows, in) and biases (rows,).
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    # (num_heads, half, 2, ...) -> (num_heads, 2, half, ...)
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation)."""
+    reader = open_gguf(path)
+    # the architecture, names and types are checked up front, so a bad file fails before minutes of
+    # dequantizing, not after
+    _architecture(reader)
+    names = [hf_tensor_name(tensor.name) for tensor in reader.tensors]
+    unsupported = [t for t in reader.tensors if not is_supported(t.tensor_type)]
+    if unsupported:
+        first = unsupported[0]
+        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise UnsupportedQuantizationError(
+            f"{path}: tensor {first.name} (and {len(unsupported) - 1} more) has type {first.tensor_type.name},"
+            f" which is not supported; supported types: {supported}"
+        )
+    config = config_from_reader(reader)
+    is_permuted = metadata_value(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    # rows of q_proj are grouped by query head, rows of k_proj by key/value head
+    heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors = tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None)
+    for name, tensor in zip(names, tensors):
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
+        weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
+        if is_permuted and part in heads_of:
+            weight = _unpermute_rows(weight, heads_of[part])
+        yield name, weight

@@ -1,0 +1,373 @@
+"""Text <-> token ids for one model, built from a Hugging Face directory or from a GGUF file's metadata.
+
+Owns the `Tokenizer` the serving layer uses: encoding (with and without special-token parsing), decoding,
+the raw bytes of a token, and the model's special ids (bos, the end-of-generation set) and chat template.
+A GGUF carries no tokenizer.json, so this module rebuilds one from llama.cpp's tokenizer.ggml.* keys the way
+llama.cpp itself tokenizes: byte-level BPE ("gpt2") with the pre-tokenizer split named by tokenizer.ggml.pre,
+or SentencePiece-style BPE ("llama") with merges ranked by the pieces' scores. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from serval.model_source import ModelSource
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 3, 4, 6
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DIGIT_SPLIT = r"\p{N}"  # every digit its own piece, before the GPT-2 split (StarCoder-family vocabularies)
+# tokenizer.ggml.pre -> the regex splits applied in order, as llama.cpp's llama-vocab.cpp does
+_PRE_SPLITS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "default": (_GPT2_SPLIT,),
+        "gpt2": (_GPT2_SPLIT,),
+        "smollm": (_DIGIT_SPLIT, _GPT2_SPLIT),
+        "starcoder": (_DIGIT_SPLIT, _GPT2_SPLIT),
+        "refact": (_DIGIT_SPLIT, _GPT2_SPLIT),
+        "llama-bpe": (_LLAMA3_SPLIT,),
+        "llama3": (_LLAMA3_SPLIT,),
+        "llama-v3": (_LLAMA3_SPLIT,),
+        "smaug-bpe": (_LLAMA3_SPLIT,),
+        "dbrx": (_LLAMA3_SPLIT,),
+        "qwen2": (_QWEN2_SPLIT,),
+        "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    }
+)
+# Vocabularies whose merges were learned with "a whole-word token beats merging" (HF: ignore_merges).
+_IGNORE_MERGES_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"})
+# NOTE: a GGUF names one eos id, but chat models end turns with other control tokens too; llama.cpp treats
+# control tokens with these texts as end-of-generation as well, and so do we.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>"}
+)
+_GGUF_TOKENIZER_KEYS = (  # the tokenizer.ggml.* keys read
+    *("model", "pre", "tokens", "token_type", "merges", "scores", "add_bos_token", "add_space_prefix"),
+    *("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "unknown_token_id"),
+)
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_METASPACE = "\u2581"
+
+
+def byte_level_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte (index = byte value), the alphabet of byte-level BPE."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(extra)) for byte in range(256)]
+
+
+def _unique(ids: Iterable[int | None]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+class Tokenizer:
+    """One model's tokenizer. Thread-safe: encoding and decoding never change state."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None,
+        add_bos_token: bool,
+    ) -> None:
+        self._backend = backend
+        serialized = backend.to_str()
+        # NOTE: a second copy with special-token matching off, instead of flipping the flag on the shared
+        # one per call, so encode_plain is safe to call from any thread.
+        self._plain = BackendTokenizer.from_str(serialized)
+        self._plain.encode_special_tokens = True
+        decoder = json.loads(serialized)["decoder"]
+        self._is_byte_level = '"ByteLevel"' in json.dumps(decoder)  # also inside a decoder Sequence
+        self._byte_of_symbol = {symbol: byte for byte, symbol in enumerate(byte_level_symbols())}
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self._added_ids = frozenset(added)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.special_token_ids: frozenset[int] = frozenset(
+            [i for i, token in added.items() if token.special]
+            + [*_unique([bos_token_id]), *self.eos_token_ids]
+        )
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    # --- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_source(cls, source: ModelSource) -> Tokenizer:
+        return cls.from_gguf(source.path) if source.is_gguf else cls.from_directory(source.path)
+
+    @classmethod
+    def from_directory(cls, directory: str) -> Tokenizer:
+        """A Hugging Face model directory: tokenizer.json plus the configs that name special tokens."""
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{directory} has no tokenizer.json (slow, sentencepiece-only tokenizers are not supported)"
+            )
+        backend = BackendTokenizer.from_file(path)
+        config = _read_json(directory, "tokenizer_config.json")
+        _add_missing_tokens(backend, config.get("added_tokens_decoder") or {})
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            return backend.token_to_id(token) if token else None
+
+        model_config = _read_json(directory, "config.json")
+        generation = _read_json(directory, "generation_config.json")
+        bos_token_id = token_id("bos_token")
+        if bos_token_id is None:
+            bos_token_id = next(iter(_as_id_list(model_config.get("bos_token_id"))), None)
+        eos_token_ids = _unique(
+            [
+                token_id("eos_token"),
+                *_as_id_list(generation.get("eos_token_id")),
+                *_as_id_list(model_config.get("eos_token_id")),
+            ]
+        )
+        add_bos_token = config.get("add_bos_token")
+        if add_bos_token is None:
+            # tokenizer.json's post-processor says it (Llama 3 adds <|begin_of_text|> there, not in the config)
+            with_specials = backend.encode("", add_special_tokens=True).ids
+            add_bos_token = bos_token_id is not None and with_specials[:1] == [bos_token_id]
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            chat_template=_directory_chat_template(directory, config),
+            add_bos_token=bool(add_bos_token),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """A GGUF file: the tokenizer its tokenizer.ggml.* metadata describes."""
+        from serval.runner.loader.gguf import metadata_value, open_gguf
+
+        reader = open_gguf(path)
+        meta = {key: metadata_value(reader, f"tokenizer.ggml.{key}") for key in _GGUF_TOKENIZER_KEYS}
+        if not meta["tokens"]:
+            raise ValueError(f"{path} has no tokenizer (no tokenizer.ggml.tokens)")
+        kind = meta["model"]
+        if kind == "gpt2":
+            backend = _byte_level_bpe(meta)
+            default_add_bos = meta["pre"] in _IGNORE_MERGES_PRE  # llama.cpp adds BOS for Llama 3 vocabularies
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(meta)
+            default_add_bos = True
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2, llama")
+        _add_gguf_added_tokens(backend, meta["tokens"], meta["token_type"] or [])
+        types = meta["token_type"] or []
+        end_of_generation = [
+            i
+            for i, text in enumerate(meta["tokens"])
+            if text in _END_OF_GENERATION_TEXTS and types[i : i + 1] == [TOKEN_CONTROL]
+        ]
+        add_bos = meta["add_bos_token"]
+        return cls(
+            backend,
+            bos_token_id=meta["bos_token_id"],
+            eos_token_ids=_unique(
+                [meta["eos_token_id"], meta["eot_token_id"], meta["eom_token_id"], *end_of_generation]
+            ),
+            chat_template=metadata_value(reader, "tokenizer.chat_template"),
+            add_bos_token=default_add_bos if add_bos is None else bool(add_bos),
+        )
+
+    # --- the interface ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are parsed (chat templates rely on it).
+
+        add_special_tokens prepends BOS when this model wants one (add_bos_token) and the text has none.
+        """
+        # NOTE: the backend's own post-processor is never run, so BOS is added in one place for both sources
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of untrusted text: a user's "<|im_start|>" becomes ordinary pieces, never a control id."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for; a token may hold part of a UTF-8 character (logprobs' `bytes`)."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        if token_id in self._added_ids:
+            return token.encode("utf-8")  # added tokens are stored as their text
+        if self._is_byte_level:
+            table = self._byte_of_symbol
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in token)
+        match = _BYTE_TOKEN.fullmatch(token)
+        if match is not None:
+            return bytes([int(match.group(1), 16)])
+        return token.replace(_METASPACE, " ").encode("utf-8")
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+
+# --- Hugging Face directory helpers ---------------------------------------------------------------------
+
+
+def _read_json(directory: str, name: str) -> dict:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _directory_chat_template(directory: str, config: dict) -> str | None:
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja):  # where newer transformers versions save it
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template") or _read_json(directory, "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry["name"]: entry["template"] for entry in template}
+        template = named.get("default", next(iter(named.values()), None))
+    return template
+
+
+def _add_missing_tokens(backend: BackendTokenizer, added_tokens_decoder: dict[str, dict]) -> None:
+    # tokenizer_config.json may list added tokens tokenizer.json lacks; add those, keep the rest as they are
+    present = {token.content for token in backend.get_added_tokens_decoder().values()}
+    for entry in added_tokens_decoder.values():
+        if entry["content"] in present:
+            continue
+        token = AddedToken(
+            entry["content"], special=entry.get("special", False), normalized=entry.get("normalized", False)
+        )
+        if entry.get("special", False):
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+
+
+# --- GGUF tokenizer builders --------------------------------------------------------------------------
+
+
+def _add_gguf_added_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens become special added tokens and USER_DEFINED ones plain added tokens, so both are
+    matched whole in text (llama.cpp does the same) rather than split into pieces."""
+    control = [
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types)
+        if k == TOKEN_USER_DEFINED
+    ]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(
+            token, index
+        )  # NOTE: a duplicated text keeps its first id, as llama.cpp's lookup does
+    return vocab
+
+
+def _byte_level_bpe(meta: dict) -> BackendTokenizer:
+    pre = meta["pre"] or "default"
+    splits = _PRE_SPLITS.get(pre)
+    if splits is None:
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; splitting text the GPT-2 way", stacklevel=3)
+        splits = _PRE_SPLITS["default"]
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["merges"] or []]
+    backend = BackendTokenizer(
+        models.BPE(vocab=_vocab(meta["tokens"]), merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-ranked merging: a piece made of two pieces can be
+    merged from them, and a higher-scoring result merges first."""
+    vocab = _vocab(tokens)
+    candidates = []
+    for index, token in enumerate(tokens):
+        if types and types[index] != 1:  # only normal pieces are merge results
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-scores[index], vocab[left], vocab[right], left, right))
+    candidates.sort()
+    return [(left, right) for _, _, _, left, right in candidates]
+
+
+def _sentencepiece_bpe(meta: dict) -> BackendTokenizer:
+    tokens, types = meta["tokens"], meta["token_type"] or []
+    if not meta["scores"]:
+        raise ValueError("a GGUF SentencePiece ('llama') tokenizer needs tokenizer.ggml.scores")
+    unk_id = meta["unknown_token_id"]
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab=_vocab(tokens),
+            merges=_sentencepiece_merges(tokens, meta["scores"], types),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            byte_fallback=True,  # unknown characters become their <0xNN> byte tokens
+            fuse_unk=True,
+        )
+    )
+    add_prefix = meta["add_space_prefix"] is not False  # SentencePiece's default is a leading space
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_METASPACE, prepend_scheme="first" if add_prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
+    return backend
