@@ -90,3 +90,22 @@ def test_llama3_rope_scaling_changes_logits(tiny_model_factory):
     a = _serval_logits(_engine(llama_dir), prompt)
     b = _serval_logits(_engine(llama3_dir), prompt)
     assert (a - b).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+def test_gguf_checkpoint_matches_transformers(tiny_model_factory, tmp_path, architecture):
+    # The same random weights written as an F32 GGUF (llama.cpp's layout) load to the same logits.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory(architecture, False)
+    path = str(tmp_path / f"{architecture}.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict())
+    engine = _engine(path)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (_serval_logits(engine, prompt) - theirs).abs().max().item() < 1e-3
+    ours = _greedy(engine, PROMPTS[:1], max_tokens=8)[0]
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert ours == out[0, len(PROMPTS[0]) :].tolist()
