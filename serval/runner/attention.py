@@ -43,47 +43,52 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_contexts: list[list[int]] = []
+        num_seqs = len(num_new_tokens)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)  # (num_seqs, max_blocks), padded with 0
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        new = torch.tensor(num_new_tokens)
+        computed = torch.tensor(num_computed_tokens)
+        context = new + computed
+        # Every context position of every sequence as a slot: (num_seqs, max_context_len); padding -> slot 0.
+        max_context = int(context.max())
+        positions = torch.arange(max_context).expand(num_seqs, max_context)
+        in_context = positions < context[:, None]
+        slots = tables.gather(1, (positions // block_size).clamp(max=max_blocks - 1)) * block_size
+        slots = torch.where(in_context, slots + positions % block_size, 0)
+        is_new = in_context & (positions >= computed[:, None])
+        slot_mapping = slots[is_new]  # row-major: each sequence's new tokens in order
+
+        decode_rows_t = decode_slots = decode_mask = None
+        is_decode = new == 1
+        if bool(is_decode.any()):
+            starts = new.cumsum(0) - new
+            decode_rows_t = starts[is_decode].to(device)
+            max_len = int(context[is_decode].max())
+            decode_slots = slots[is_decode, :max_len].to(device)
+            decode_mask = in_context[is_decode, :max_len][:, None, None, :].to(device)
         prefills: list[PrefillSlice] = []
         row = 0
-        for num_new, num_computed, table in zip(num_new_tokens, num_computed_tokens, block_tables):
-            context_len = num_computed + num_new
-            context_slots = _slots_of(table, 0, context_len, block_size)
-            slots.extend(context_slots[num_computed:])
-            if num_new == 1:
-                decode_rows.append(row)
-                decode_contexts.append(context_slots)
-            elif num_computed == 0:
-                prefills.append(PrefillSlice(row, num_new, context_len, None, None))
-            else:
+        for i, (num_new, num_computed) in enumerate(zip(num_new_tokens, num_computed_tokens)):
+            if num_new > 1 and num_computed == 0:
+                prefills.append(PrefillSlice(row, num_new, num_new, None, None))
+            elif num_new > 1:
+                context_len = num_computed + num_new
                 # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
                 q_pos = torch.arange(num_computed, context_len, device=device)
                 k_pos = torch.arange(context_len, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]
-                slots_t = torch.tensor(context_slots, dtype=torch.long, device=device)
-                prefills.append(PrefillSlice(row, num_new, context_len, slots_t, mask))
+                context_slots = slots[i, :context_len].to(device)
+                prefills.append(PrefillSlice(row, num_new, context_len, context_slots, mask))
             row += num_new
-        decode_rows_t = decode_slots = decode_mask = None
-        if decode_rows:
-            max_len = max(len(c) for c in decode_contexts)
-            padded = [c + [0] * (max_len - len(c)) for c in decode_contexts]
-            lens = torch.tensor([len(c) for c in decode_contexts], device=device)
-            decode_rows_t = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            decode_slots = torch.tensor(padded, dtype=torch.long, device=device)
-            decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping.to(device),
             decode_rows=decode_rows_t,
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
         )
-
-
-def _slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
 
 
 def paged_attention(
