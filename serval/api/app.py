@@ -1,0 +1,284 @@
+"""The FastAPI app: routes, body limits, client disconnects, and the wiring of auth, errors and metrics.
+
+Owns the HTTP edge of a request: read the body (413 beyond the limit), validate it (400 with the parameter
+named), hand native values to `serving.Frontend`, and frame the result as JSON or SSE. A client that goes away
+cancels its request: the generation is closed, which aborts its engine requests, whose KV blocks the engine
+frees at its next step. Everything the app needs comes in through build_app; there is no module state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from serval.api import requests as req
+from serval.api.auth import APIKeyAuth
+from serval.api.errors import APIError, from_serving, from_validation, install_error_handlers
+from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
+from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serval.api.responses import chat_completion, text_completion
+from serval.api.sse import StreamFormat, stream_events, usage_mode
+from serval.server_config import ServerConfig
+from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.frontend import Frontend, keep_best
+from serval.serving.stream import ChoiceDelta, Completion, Event, Usage, fold
+
+T = TypeVar("T")
+Schema = TypeVar("Schema", bound=BaseModel)
+
+STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics do
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/tokenize",
+        "/detokenize",
+        "/metrics",
+    }
+)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(
+            413, f"the request body is {declared} bytes; the limit is {limit}", None, "request_too_large"
+        )
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(
+                413, f"the request body exceeds the limit of {limit} bytes", None, "request_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(schema: type[Schema], body: bytes) -> Schema:
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation(list(e.errors())) from e
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientGone
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="serval", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics(frontend.stats)
+    started = int(time.time())
+    install_error_handlers(app)
+
+    def check_model(name: str | None) -> str:
+        if name is not None and name not in config.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist here", "model", "model_not_found")
+        return name or config.model_name
+
+    async def observed(events: AsyncIterator[Event], arrival: float) -> AsyncIterator[Event]:
+        is_first = True
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if is_first and isinstance(event, ChoiceDelta) and event.token_ids:
+                    metrics.time_to_first_token.observe(time.monotonic() - arrival)
+                    is_first = False
+                elif isinstance(event, Usage):
+                    metrics.prompt_tokens.inc(event.num_prompt_tokens)
+                    metrics.generation_tokens.inc(event.num_completion_tokens)
+                    metrics.e2e_latency.observe(time.monotonic() - arrival)
+                yield event
+
+    async def respond(
+        request: Request,
+        events: AsyncIterator[Event],
+        fmt: StreamFormat,
+        is_stream: bool,
+        build: Callable[[Completion], dict[str, Any]],
+    ) -> Response:
+        try:
+            if is_stream:
+                # The first event comes before the headers, so a full queue or a refused prompt is still a
+                # proper 4xx and not an error inside a 200 stream.
+                first = await until_disconnected(request, anext(events))
+                return StreamingResponse(
+                    stream_events(first, events, fmt), media_type="text/event-stream", headers=SSE_HEADERS
+                )
+            return JSONResponse(build(await until_disconnected(request, fold(events))))
+        except ClientGone:
+            # The cancelled task already closed the generation (its engine requests are aborted).
+            return Response(status_code=STATUS_CLIENT_GONE)
+        except (InvalidRequestError, ServerBusyError, EngineError) as e:
+            await events.aclose()
+            raise from_serving(e) from e
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        chat = parse(ChatCompletionRequest, await read_body(request, config.max_request_body_bytes))
+        model = check_model(chat.model)
+        req.check_chat_features(chat)
+        is_stream = bool(chat.stream)
+        params = req.chat_sampling_params(chat, is_stream)
+        messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message)
+        prompt = frontend.render_chat(
+            messages,
+            add_generation_prompt=chat.add_generation_prompt is not False,
+            continue_final_message=continue_final,
+            template_kwargs=req.with_template_kwargs(chat),
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        events = frontend.generate(
+            request_id, [prompt], params, params.logprobs is not None, config.request_timeout
+        )
+        fmt = StreamFormat(
+            request_id, created, model, params.n, usage_mode(chat.stream_options), config.full_text_enabled
+        )
+        return await respond(
+            request,
+            observed(events, arrival),
+            fmt,
+            is_stream,
+            lambda result: chat_completion(request_id, created, model, keep_best(result, params)),
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        body = parse(CompletionRequest, await read_body(request, config.max_request_body_bytes))
+        model = check_model(body.model)
+        if body.suffix:
+            raise APIError(
+                400,
+                "suffix: insertion (fill in the middle) is not supported",
+                "suffix",
+                "unsupported_parameter",
+            )
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs would need prompt logprobs, which are not computed", "echo"
+            )
+        is_stream = bool(body.stream)
+        params = req.completion_sampling_params(body, is_stream)
+        prompts = []
+        for prompt in req.completion_prompts(body.prompt):
+            if isinstance(prompt, str):
+                prompts.append(frontend.encode_prompt(prompt))
+            else:
+                frontend.check_token_ids(prompt, "prompt")
+                prompts.append(list(prompt))
+        echoes = [
+            frontend.decode(p) if not isinstance(p, str) else p for p in req.completion_prompts(body.prompt)
+        ]
+        echoes = echoes if body.echo else None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        events = frontend.generate(
+            request_id, prompts, params, params.logprobs is not None, config.request_timeout, "prompt"
+        )
+        fmt = StreamFormat(
+            request_id, created, model, params.n * len(prompts), usage_mode(body.stream_options),
+            config.full_text_enabled, is_chat=False, echoes=echoes,
+        )  # fmt: skip
+        return await respond(
+            request,
+            observed(events, arrival),
+            fmt,
+            is_stream,
+            lambda result: text_completion(request_id, created, model, keep_best(result, params), echoes),
+        )
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict[str, Any]:
+        return model_card(check_model(name))
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "serval",
+            "root": config.model_name,
+            "max_model_len": frontend.max_model_len,
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse(TokenizeRequest, await read_body(request, config.max_request_body_bytes))
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            messages, continue_final = req.template_messages(body.messages, body.continue_final_message)
+            tokens = frontend.render_chat(
+                messages,
+                add_generation_prompt=body.add_generation_prompt is not False,
+                continue_final_message=continue_final,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        elif body.add_special_tokens is False:
+            tokens = frontend.tokenizer.encode(body.prompt or "")
+        else:
+            tokens = frontend.encode_prompt(body.prompt or "")
+        return {"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse(DetokenizeRequest, await read_body(request, config.max_request_body_bytes))
+        check_model(body.model)
+        try:
+            return {"prompt": frontend.decode(body.tokens)}
+        except InvalidRequestError as e:
+            raise from_serving(e) from e
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.state.metrics = metrics
+    app.state.frontend = frontend
+    # Outermost first: count every status (401s included), then authenticate.
+    app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
+    app.add_middleware(StatusCounter, metrics=metrics, known_paths=ROUTES)
+    return app

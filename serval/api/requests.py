@@ -1,0 +1,276 @@
+"""From a validated request to native values: template messages, SamplingParams, prompts.
+
+Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of >= n and equal to n in a
+stream, n > 1 needs temperature > 0, ...) and the refusal, by name, of what this deployment cannot honour
+(multimodal parts, web search, code interpreter, audio output, tools, structured output, beam search).
+Every refusal is an APIError naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from serval.api.errors import APIError
+from serval.api.openai import (
+    INT32_MAX,
+    MAX_STOP_CHARS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from serval.sampling import SamplingParams
+
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "video_url", "audio_url", "input_audio", "video", "image", "audio"}
+)
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def _unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param, "unsupported_parameter")
+
+
+# ---- messages
+
+
+def _content_text(message: ChatMessage, where: str) -> str | None:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+    if not content:
+        raise invalid(f"{where}.content must not be an empty list", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        part_where = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"{part_where} must be an object with a string type", part_where)
+        kind = part["type"]
+        if kind in MEDIA_PART_TYPES:
+            raise _unsupported(
+                f"{part_where}.type {kind!r}: the served model is a text-only model and cannot read media",
+                f"{part_where}.type",
+            )
+        if kind != "text":
+            raise invalid(
+                f"{part_where}.type {kind!r} is not a known content part type", f"{part_where}.type"
+            )
+        text = part.get("text")
+        if not isinstance(text, str) or not text:
+            raise invalid(f"{part_where}.text must be a non-empty string", f"{part_where}.text")
+        texts.append(text)
+    # NOTE: text parts join with newlines, vLLM's rendering of list content for string-only templates.
+    return "\n".join(texts)
+
+
+def _tool_call_dict(call: Any) -> dict[str, Any]:
+    # Templates (Qwen2.5, Llama 3.1, ...) expect the arguments as an object; a non-JSON string stays a string.
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
+
+
+def template_messages(
+    messages: list[ChatMessage], continue_final_message: bool | None = None
+) -> tuple[list[dict[str, Any]], bool]:
+    """The messages as the chat template sees them, and whether the final one is to be continued."""
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        text = _content_text(message, where)
+        has_tool_calls = bool(message.tool_calls)
+        if message.role == "assistant" and has_tool_calls:
+            text = text or ""
+        elif text is None:
+            raise invalid(f"{where}.content is required for role {message.role!r}", f"{where}.content")
+        elif not text:
+            raise invalid(f"{where}.content must not be empty", f"{where}.content")
+        if message.role == "tool" and not message.tool_call_id:
+            raise invalid(f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
+        if has_tool_calls and message.role != "assistant":
+            raise invalid(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        item: dict[str, Any] = {"role": message.role, "content": text}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            value = getattr(message, key)
+            if value is not None:
+                item[key] = value
+        if has_tool_calls:
+            item["tool_calls"] = [_tool_call_dict(call) for call in message.tool_calls or ()]
+        result.append(item)
+    last = messages[-1]
+    wants_continue = bool(continue_final_message or last.prefix or last.partial)
+    for i, message in enumerate(messages[:-1]):
+        if message.prefix or message.partial:
+            raise invalid("only the final message can be a prefix to continue", f"messages[{i}].prefix")
+    if wants_continue and last.role != "assistant":
+        raise invalid("only an assistant message can be continued (prefix/partial)", "messages")
+    return result, wants_continue
+
+
+# ---- refusals
+
+
+def check_chat_features(request: ChatCompletionRequest) -> None:
+    if request.enable_search:
+        raise _unsupported("enable_search: web search is not available on this deployment", "enable_search")
+    if request.enable_code_interpreter:
+        raise _unsupported(
+            "enable_code_interpreter: code execution is not available on this deployment",
+            "enable_code_interpreter",
+        )
+    if request.modalities and any(m != "text" for m in request.modalities):
+        raise _unsupported("modalities: the served model produces text only", "modalities")
+    if request.audio is not None:
+        raise _unsupported("audio: the served model produces text only", "audio")
+    tool_choice = request.tool_choice
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise invalid("tool_choice must be a string or an object", "tool_choice")
+    if tool_choice is not None and tool_choice != "none":
+        raise _unsupported('tool_choice: tool calling is not supported yet; use "none"', "tool_choice")
+    if request.tools and tool_choice != "none":
+        raise _unsupported('tools: tool calling is not supported yet (tool_choice "none" is)', "tools")
+    response_format = request.response_format
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise _unsupported('response_format: only {"type": "text"} is supported yet', "response_format")
+
+
+def _check_sampling_features(request: SamplingFields) -> None:
+    if request.use_beam_search:
+        raise _unsupported("use_beam_search: beam search is not supported", "use_beam_search")
+    if request.length_penalty is not None and request.length_penalty != 1.0:
+        raise _unsupported(
+            "length_penalty only applies to beam search, which is not supported", "length_penalty"
+        )
+
+
+# ---- sampling
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if not value:
+            raise invalid("stop must not be an empty string", "stop")
+        strings = [value]
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+        strings = value
+        if any(not s for s in strings):
+            raise invalid("stop: every stop string must have at least one character", "stop")
+    else:
+        raise invalid("stop must be a string or a list of strings", "stop")
+    if sum(len(s) for s in strings) > MAX_STOP_CHARS:
+        raise invalid(f"stop: the stop strings may hold at most {MAX_STOP_CHARS} characters in all", "stop")
+    return tuple(strings)
+
+
+def stop_token_ids(value: list[Any] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if any(item is None for item in value):
+        raise invalid("stop_token_ids must not contain null", "stop_token_ids")
+    # MindIE: elements that are not int32 are ignored.
+    return tuple(
+        item
+        for item in value
+        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= INT32_MAX
+    )
+
+
+def sampling_params(
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None, is_stream: bool
+) -> SamplingParams:
+    _check_sampling_features(request)
+    n = request.n or 1
+    best_of = request.best_of
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if best_of is not None and best_of < n:
+        raise invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if is_stream and best_of is not None and best_of != n:
+        raise invalid(
+            "in a stream best_of must equal n (the best sequences are only known at the end)", "best_of"
+        )
+    if max(n, best_of or 1) > 1 and temperature == 0.0:
+        raise invalid(
+            "n and best_of above 1 need temperature > 0 (greedy choices would be identical)", "temperature"
+        )
+    try:
+        return SamplingParams(
+            n=n,
+            best_of=best_of,
+            temperature=temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens or 0,
+            stop=stop_strings(request.stop),
+            stop_token_ids=stop_token_ids(request.stop_token_ids),
+            include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            ignore_eos=bool(request.ignore_eos),
+            skip_special_tokens=request.skip_special_tokens is not False,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise invalid(str(e), None) from e
+
+
+def chat_sampling_params(request: ChatCompletionRequest, is_stream: bool) -> SamplingParams:
+    # max_completion_tokens (Alibaba, OpenAI) and max_tokens (MindIE) both cap the answer; the smaller wins.
+    caps = [c for c in (request.max_tokens, request.max_completion_tokens) if c is not None]
+    logprobs = None
+    if request.logprobs or request.top_logprobs is not None:
+        # MindIE: top_logprobs given without logprobs turns logprobs on.
+        if request.logprobs is False and request.top_logprobs:
+            raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+        logprobs = request.top_logprobs or 0
+    return sampling_params(request, min(caps) if caps else None, logprobs, is_stream)
+
+
+def completion_sampling_params(request: CompletionRequest, is_stream: bool) -> SamplingParams:
+    # The legacy endpoint's default is OpenAI's: 16 tokens.
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens
+    return sampling_params(request, max_tokens, request.logprobs, is_stream)
+
+
+def with_template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(request.chat_template_kwargs or {})
+    for key in ("enable_thinking", "thinking_budget", "reasoning_effort", "preserve_thinking"):
+        value = getattr(request, key)
+        if value is not None:
+            kwargs.setdefault(key, value)
+    return kwargs
+
+
+def completion_prompts(value: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions request: a string, a token list, or a list of either."""
+
+    def is_token_list(item: Any) -> bool:
+        return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+    if isinstance(value, str):
+        prompts: list[Any] = [value]
+    elif is_token_list(value) and value:
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or is_token_list(p) for p in value):
+        prompts = value
+    else:
+        raise invalid("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise invalid("prompt must not be empty", "prompt")
+    return prompts

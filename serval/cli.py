@@ -1,0 +1,181 @@
+"""The `serval` command: argv (and the SERVAL_API_KEY environment variable) are read here and nowhere else.
+
+Owns turning options into frozen configs. Options come in three layers, later ones winning: the built-in
+defaults of the config dataclasses, a MindIE-style config.json given with --config, and the flags themselves
+(spelled as vLLM spells them). docs/configuration.md lists every option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from serval.model_source import ModelSource, resolve_model
+from serval.server_config import ServerConfig, read_mindie_config
+from serval.serving.chat_template import ChatTemplate
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """'1073741824', '4GiB', '512M', '1.5G' -> bytes (k/M/G/T are powers of 1024 either way, as in vLLM)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    p.add_argument("--config", help="a MindIE-style config.json; flags override its values")
+    p.add_argument(
+        "--model", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--served-model-name", nargs="+", help="names clients use in `model` (first is reported)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--api-key", action="append", help="accepted bearer token; repeat for several")
+    p.add_argument("--ssl-keyfile", help="TLS private key (PEM)")
+    p.add_argument("--ssl-certfile", help="TLS certificate (PEM)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, help="seed of unseeded sampling")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+    p.add_argument("--max-input-tokens", type=int, help="longest prompt accepted (MindIE maxInputTokenLen)")
+    p.add_argument("--max-iter-times", type=int, help="default and cap of max_tokens (MindIE maxIterTimes)")
+    p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    p.add_argument("--max-queue-len", type=int, help="most requests waiting; beyond it 429")
+    p.add_argument("--kv-cache-memory-bytes", type=byte_size, help="KV-cache memory, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks (overrides memory)")
+    p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--request-timeout", type=float, help="seconds a request may take (default 600)")
+    p.add_argument("--max-request-body-bytes", type=byte_size, help="largest request body (default 4MiB)")
+    p.add_argument("--full-text-enabled", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chat-template", help="a Jinja chat template file (or the template itself)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serval", description="An LLM inference server.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(subparsers)
+    return parser
+
+
+def merged_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags over the config file: {option name: value}, unset options absent."""
+    options = read_mindie_config(args.config) if args.config else {}
+    if args.model_tag is not None and args.model is None:
+        args.model = args.model_tag
+    for name, value in vars(args).items():
+        if value is not None and name not in ("command", "config", "model_tag"):
+            options[name] = value
+    if "api_key" not in options and os.environ.get("SERVAL_API_KEY"):
+        options["api_key"] = [k for k in os.environ["SERVAL_API_KEY"].split(",") if k]
+    return options
+
+
+def _pick(options: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+    # Only the options that were set, renamed to the dataclass fields: unset ones keep the field defaults.
+    return {field: options[name] for name, field in mapping.items() if name in options}
+
+
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    model = ModelConfig(
+        **_pick(options, {"model": "model", "dtype": "dtype", "device": "device", "seed": "seed",
+                          "max_model_len": "max_model_len"})
+    )  # fmt: skip
+    cache = CacheConfig(
+        **_pick(options, {"block_size": "block_size", "kv_cache_memory_bytes": "kv_cache_memory_bytes",
+                          "num_kv_blocks": "num_blocks", "enable_prefix_caching": "enable_prefix_caching"})
+    )  # fmt: skip
+    scheduler = SchedulerConfig(
+        **_pick(options, {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                          "max_queue_len": "max_queue_len"})
+    )  # fmt: skip
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+
+def server_config(options: dict[str, Any], default_model_name: str) -> ServerConfig:
+    fields = _pick(
+        options,
+        {"host": "host", "port": "port", "ssl_keyfile": "ssl_keyfile", "ssl_certfile": "ssl_certfile",
+         "request_timeout": "request_timeout", "max_request_body_bytes": "max_request_body_bytes",
+         "max_input_tokens": "max_input_tokens", "max_iter_times": "max_iter_times",
+         "full_text_enabled": "full_text_enabled", "log_level": "log_level"},
+    )  # fmt: skip
+    fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
+    fields["api_keys"] = tuple(options.get("api_key") or ())
+    template = options.get("chat_template")
+    if template is not None:
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        elif "{" not in template:
+            raise ValueError(f"chat template file not found: {template}")
+        ChatTemplate(template)  # a template that does not compile fails now, not at the first request
+    fields["chat_template"] = template
+    return ServerConfig(**fields)
+
+
+def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+    # Heavy imports here: `serval --help` and config errors stay fast.
+    import uvicorn
+
+    from serval.api.app import build_app
+    from serval.engine.client import EngineClient
+    from serval.serving.frontend import Frontend
+    from serval.serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(source)
+    client = EngineClient.start(engine)
+    try:
+        frontend = Frontend(
+            client, tokenizer, server.chat_template, server.max_input_tokens, server.max_iter_times
+        )
+        app = build_app(server, frontend)
+        scheme = "https" if server.ssl_certfile else "http"
+        logging.getLogger("serval").info(
+            "serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port
+        )
+        uvicorn.run(
+            app,
+            host=server.host,
+            port=server.port,
+            ssl_keyfile=server.ssl_keyfile,
+            ssl_certfile=server.ssl_certfile,
+            log_level=server.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        client.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        # Everything is validated, and the model found, before the model loads.
+        try:
+            options = merged_options(args)
+            engine = engine_config(options)
+            source = resolve_model(engine.model.model)
+            server = server_config(options, options.get("model") or source.name)
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+        serve(engine, server, source)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""ServerConfig: how the HTTP product is deployed, and the reader of MindIE-style config.json files.
+
+A leaf module (like `config`): the CLI builds one ServerConfig at the edge and hands it to `api`. The engine's
+own knobs stay in `config.EngineConfig`; `read_mindie_config` returns plain option values keyed by the CLI's
+flag names so that the CLI can layer them: built-in defaults < config file < command-line flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Names clients may put in "model"; the first is the one /v1/models and responses report.
+    served_model_names: tuple[str, ...] = ("default",)
+    # Accepted bearer tokens; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # Largest request body accepted (MindIE: messages up to 4 MB); beyond it the answer is 413.
+    max_request_body_bytes: int = 4 * MIB
+    # Seconds a request may take end to end; when it runs out the request is cut off with what it has so
+    # far (finish_reason "length") rather than failed. None: no limit.
+    request_timeout: float | None = 600.0
+    # MindIE's maxInputTokenLen: the longest prompt accepted (also bounded by the context length).
+    max_input_tokens: int | None = None
+    # MindIE's maxIterTimes: the default and the cap of max_tokens. None: up to the context length.
+    max_iter_times: int | None = None
+    # MindIE's fullTextEnabled: stream deltas carry the whole text so far and the last chunk has full_text.
+    full_text_enabled: bool = False
+    # A Jinja chat template that replaces the model's own.
+    chat_template: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.served_model_names or any(not name for name in self.served_model_names):
+            raise ValueError("served model names must be non-empty strings")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be positive")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens must be positive, got {self.max_input_tokens}")
+        if self.max_iter_times is not None and self.max_iter_times < 1:
+            raise ValueError(f"max_iter_times must be positive, got {self.max_iter_times}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def _section(data: dict[str, Any], name: str, *parents: str) -> dict[str, Any]:
+    # MindIE nests ModelDeployConfig and ScheduleConfig under BackendConfig; a flat file is accepted too.
+    for parent in parents:
+        nested = data.get(parent)
+        if isinstance(nested, dict) and isinstance(nested.get(name), dict):
+            return nested[name]
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"config file: {name} must be an object")  # noqa: TRY004 - configs raise ValueError
+    return value
+
+
+def _typed(section: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = section.get(key)
+    if value is None:
+        return None
+    # bool is an int in Python; a port of `true` is a mistake, not 1.
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"config file: {where}.{key} must be an integer, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"config file: {where}.{key} must be a number, got {value!r}")
+    if kind in (str, bool) and not isinstance(value, kind):
+        raise ValueError(f"config file: {where}.{key} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _relative_to(base_dir: str, path: str | None) -> str | None:
+    if path is None or os.path.isabs(path):
+        return path
+    return os.path.join(base_dir, path)
+
+
+def read_mindie_config(path: str) -> dict[str, Any]:
+    """Read a MindIE config.json into {cli option name: value}; keys the file does not set are absent.
+
+    Only the fields with a meaning here are read (docs/configuration.md lists them); the rest of a MindIE
+    file (NPU ids, log settings, management plane, ...) is ignored so that an existing file works unchanged.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a JSON object")  # noqa: TRY004
+    base_dir = os.path.dirname(os.path.abspath(path))
+    server = _section(data, "ServerConfig")
+    deploy = _section(data, "ModelDeployConfig", "BackendConfig")
+    schedule = _section(data, "ScheduleConfig", "BackendConfig")
+    options: dict[str, Any] = {
+        "host": _typed(server, "ipAddress", str, "ServerConfig"),
+        "port": _typed(server, "port", int, "ServerConfig"),
+        "full_text_enabled": _typed(server, "fullTextEnabled", bool, "ServerConfig"),
+        "request_timeout": _typed(server, "e2eTimeout", float, "ServerConfig"),
+        "max_model_len": _typed(deploy, "maxSeqLen", int, "ModelDeployConfig"),
+        "max_input_tokens": _typed(deploy, "maxInputTokenLen", int, "ModelDeployConfig"),
+        "max_num_seqs": _typed(schedule, "maxBatchSize", int, "ScheduleConfig"),
+        "max_iter_times": _typed(schedule, "maxIterTimes", int, "ScheduleConfig"),
+        "max_num_batched_tokens": _typed(schedule, "maxPrefillTokens", int, "ScheduleConfig"),
+        "block_size": _typed(schedule, "cacheBlockSize", int, "ScheduleConfig"),
+        "max_queue_len": _typed(schedule, "maxQueueLen", int, "ScheduleConfig"),
+    }
+    if options["host"] == "0.0.0.0" and server.get("allowAllZeroIpListening") is not True:
+        # MindIE refuses all-zero listening unless the file opts in; keep that safety.
+        raise ValueError("config file: ipAddress 0.0.0.0 needs ServerConfig.allowAllZeroIpListening = true")
+    if _typed(server, "httpsEnabled", bool, "ServerConfig"):
+        cert = _typed(server, "tlsCert", str, "ServerConfig")
+        key = _typed(server, "tlsPk", str, "ServerConfig")
+        if not cert or not key:
+            raise ValueError("config file: httpsEnabled needs ServerConfig.tlsCert and ServerConfig.tlsPk")
+        options["ssl_certfile"] = _relative_to(base_dir, cert)
+        options["ssl_keyfile"] = _relative_to(base_dir, key)
+    models = deploy.get("ModelConfig")
+    if models is not None:
+        if not isinstance(models, list) or not models or not isinstance(models[0], dict):
+            raise ValueError("config file: ModelDeployConfig.ModelConfig must be a non-empty list of objects")
+        name = _typed(models[0], "modelName", str, "ModelConfig[0]")
+        options["served_model_name"] = [name] if name else None
+        options["model"] = _relative_to(base_dir, _typed(models[0], "modelWeightPath", str, "ModelConfig[0]"))
+        npu_mem_gib = _typed(models[0], "npuMemSize", int, "ModelConfig[0]")
+        if npu_mem_gib is not None and npu_mem_gib > 0:  # -1: automatic
+            options["kv_cache_memory_bytes"] = npu_mem_gib * GIB
+    return {key: value for key, value in options.items() if value is not None}

@@ -1,0 +1,266 @@
+"""Frontend: the text side of a request: messages -> prompt ids -> engine requests -> text events.
+
+Owns what the engine does not: the chat template and tokenization, the prompt-length rules (context length,
+MindIE's maxInputTokenLen and maxIterTimes), fanning one request out into n (or best_of) engine requests and
+merging their deltas, stop strings (an engine request is aborted at its stop string), the request deadline,
+and choosing the best n of best_of. The HTTP layer above only validates and frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
+from serval.sampling import SamplingParams
+from serval.serving.chat_template import ChatTemplate, ChatTemplateError
+from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.stream import ChoiceStream, Completion, Event, Usage, fold
+
+if TYPE_CHECKING:
+    from serval.serving.tokenizer import Tokenizer
+
+MAX_SEED = 2**64
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    index: int  # the choice index it produces
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n=1, its own seed, max_tokens resolved
+
+
+class Frontend:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        chat_template: str | None = None,
+        max_input_tokens: int | None = None,
+        max_iter_times: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        source = chat_template or tokenizer.chat_template
+        self.chat_template = (
+            ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source is not None else None
+        )
+        self.max_input_tokens = max_input_tokens
+        self.max_iter_times = max_iter_times
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- prompts
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template: use /v1/completions or start the server with --chat-template",
+                "messages",
+            )
+        try:
+            segments = self.chat_template.render(
+                messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            )
+        except ChatTemplateError as e:
+            raise InvalidRequestError(str(e), "messages") from e
+        token_ids: list[int] = []
+        for segment in segments:
+            if segment.is_client_text:
+                token_ids.extend(self.tokenizer.encode_plain(segment.text))
+            else:
+                token_ids.extend(self.tokenizer.encode(segment.text))
+        return token_ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        # A raw completion prompt is the client's own template: special tokens in it are meant as such.
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param
+                )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.check_token_ids(token_ids, "tokens")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def resolve_max_tokens(
+        self, num_prompt_tokens: int, requested: int | None, param: str = "messages"
+    ) -> int:
+        """The max_tokens in force: the request's, capped by maxIterTimes and by the room the context leaves
+        (the generation then ends with finish_reason "length", as MindIE does)."""
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty", param)
+        if self.max_input_tokens is not None and num_prompt_tokens > self.max_input_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, more than the {self.max_input_tokens} this "
+                "deployment accepts (maxInputTokenLen)",
+                param,
+            )
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens; at most {limit - 1} leave room for an answer",
+                param,
+            )
+        caps = [limit - num_prompt_tokens, requested, self.max_iter_times]
+        return min(cap for cap in caps if cap is not None)
+
+    # ---- generation
+
+    def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[_Sequence]:
+        """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
+        num_seqs = max(params.n, params.best_of or 1)
+        # best_of ranks sequences by cumulative logprob, so the engine must report the chosen tokens' ones.
+        logprobs = params.logprobs if params.logprobs is not None or num_seqs == params.n else 0
+        sequences = []
+        for prompt_index, prompt in enumerate(prompts):
+            max_tokens = self.resolve_max_tokens(len(prompt), params.max_tokens, param)
+            for i in range(num_seqs):
+                seed = None if params.seed is None else (params.seed + i) % MAX_SEED
+                seq_params = replace(
+                    params, n=1, best_of=None, seed=seed, max_tokens=max_tokens, logprobs=logprobs
+                )
+                sequences.append(_Sequence(prompt_index * num_seqs + i, prompt_index, prompt, seq_params))
+        return sequences
+
+    async def generate(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        return_logprobs: bool = False,
+        timeout: float | None = None,
+        param: str = "messages",
+    ) -> AsyncIterator[Event]:
+        """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
+        aborts every engine request still running."""
+        sequences = self.plan(prompts, params, param)
+        streams = [ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs) for s in sequences]
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(f"{request_id}-{s.index}", s, queue)) for s in sequences]
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        num_open = len(tasks)
+        try:
+            while num_open:
+                try:
+                    remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                    index, item = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    for stream in streams:
+                        if not stream.is_finished:
+                            yield stream.cut_off()
+                    break
+                if item is None:
+                    num_open -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                stream = streams[index]
+                delta = stream.feed(item)
+                if delta is None:
+                    continue
+                if stream.is_finished and not item.finished:
+                    tasks[index].cancel()  # a stop string matched: abort the engine request
+                yield delta
+            yield self._usage(prompts, sequences, streams)
+        finally:
+            # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
+            # cancelled again. Cancelling a pump closes its engine iterator, which aborts the request.
+            for task in tasks:
+                task.cancel()
+
+    async def complete(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        return_logprobs: bool = False,
+        timeout: float | None = None,
+        param: str = "messages",
+    ) -> Completion:
+        """The non-streaming result: the fold of `generate`, keeping the best n of best_of per prompt."""
+        events = self.generate(request_id, prompts, params, return_logprobs, timeout, param)
+        async with contextlib.aclosing(events):
+            return keep_best(await fold(events), params)
+
+    async def _pump(self, engine_request_id: str, sequence: _Sequence, queue: asyncio.Queue) -> None:
+        # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
+        outputs = self.engine.generate(
+            engine_request_id, sequence.prompt_token_ids, sequence.params, self.tokenizer.eos_token_ids
+        )
+        try:
+            async for output in outputs:
+                queue.put_nowait((sequence.index, output))
+        except QueueFullError as e:
+            queue.put_nowait((sequence.index, ServerBusyError(str(e))))
+        except EngineDeadError as e:
+            queue.put_nowait((sequence.index, EngineError(str(e))))
+        except ValueError as e:  # the engine's own prompt check (context length)
+            queue.put_nowait((sequence.index, InvalidRequestError(str(e))))
+        except Exception as e:  # noqa: BLE001 - reported to the client, never a hang
+            queue.put_nowait((sequence.index, EngineError(f"generation failed: {e}")))
+        finally:
+            await outputs.aclose()
+            queue.put_nowait((sequence.index, None))
+
+    def _usage(
+        self, prompts: list[list[int]], sequences: list[_Sequence], streams: list[ChoiceStream]
+    ) -> Usage:
+        # A prompt is counted once however many sequences it has; its cache hits are its first sequence's.
+        first_of_prompt: dict[int, ChoiceStream] = {}
+        for sequence, stream in zip(sequences, streams):
+            first_of_prompt.setdefault(sequence.prompt_index, stream)
+        usage = Usage(
+            num_prompt_tokens=sum(len(prompt) for prompt in prompts),
+            num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
+            num_completion_tokens=sum(stream.num_output_tokens for stream in streams),
+        )
+        longest = max(streams, key=lambda stream: stream.num_output_tokens, default=None)
+        if longest is not None and longest.metrics is not None:
+            metrics = longest.metrics
+            usage.batch_sizes = list(metrics.batch_sizes)
+            usage.queue_wait_us = list(metrics.queue_wait_us)
+            usage.prefill_time_ms = metrics.prefill_time_ms
+            usage.decode_time_ms = list(metrics.decode_time_ms)
+        return usage
+
+
+def keep_best(completion: Completion, params: SamplingParams) -> Completion:
+    """With best_of > n, keep per prompt the n sequences of highest cumulative logprob, re-indexed 0.."""
+    num_seqs = max(params.n, params.best_of or 1)
+    if num_seqs == params.n:
+        return completion
+    chosen = []
+    for start in range(0, len(completion.choices), num_seqs):
+        group = completion.choices[start : start + num_seqs]
+        group.sort(
+            key=lambda c: -math.inf if c.cumulative_logprob is None else c.cumulative_logprob, reverse=True
+        )
+        chosen.extend(group[: params.n])
+    for index, choice in enumerate(chosen):
+        choice.index = index
+    return Completion(chosen, completion.usage)

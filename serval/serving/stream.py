@@ -1,0 +1,191 @@
+"""Stream assembly: engine token deltas -> text events per choice, and the fold of events into one result.
+
+Owns the per-choice parse state (detokenizer, stop matcher, logprob text) and the event types the HTTP layer
+frames. A non-streaming response is `fold` of the very same events, so streamed and non-streamed text cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from serval.engine.outputs import RequestMetrics, RequestOutput
+from serval.sampling import SamplingParams
+from serval.serving.detokenizer import IncrementalDetokenizer
+from serval.serving.errors import EngineError
+from serval.serving.stop import StopMatcher
+
+
+class TokenText(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_bytes: bytes  # the token's raw UTF-8 bytes (may be part of a character)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...]  # most likely first
+
+
+@dataclass
+class ChoiceDelta:
+    index: int  # the choice this belongs to
+    text: str  # new text, safe to show (no partial stop string, no half character)
+    token_ids: list[int]  # tokens the engine produced for it this step
+    logprobs: list[LogprobEntry] | None  # one per token in token_ids; None when not requested
+    finish_reason: str | None = None  # "stop" | "length" on the choice's last delta
+    # Sum of the chosen tokens' logprobs, on the last delta when the engine returned logprobs (best_of).
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class Usage:
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int  # over all sequences generated, best_of ones included
+    # MindIE's timing arrays, of the longest sequence (they share the steps): per generated token the batch
+    # size of its step and its queue wait (µs); the prompt's compute time and each decode step's time (ms).
+    batch_sizes: list[int] = field(default_factory=list)
+    queue_wait_us: list[int] = field(default_factory=list)
+    prefill_time_ms: float = 0.0
+    decode_time_ms: list[float] = field(default_factory=list)
+
+
+Event = ChoiceDelta | Usage
+
+
+def token_text(tokenizer: TokenText, token_id: int) -> tuple[str, bytes]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+class ChoiceStream:
+    """One engine request's state: its RequestOutputs in, ChoiceDeltas out."""
+
+    def __init__(
+        self, index: int, tokenizer: TokenText, params: SamplingParams, return_logprobs: bool
+    ) -> None:
+        self.index = index
+        self.tokenizer = tokenizer
+        self.params = params
+        self.return_logprobs = return_logprobs
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stop_matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.cumulative_logprob: float | None = None
+        self.metrics: RequestMetrics | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, output: RequestOutput) -> ChoiceDelta | None:
+        """Fold one engine delta in. After a stop string matches the choice is finished and the caller must
+        abort its engine request; later outputs are ignored."""
+        if self.is_finished:
+            return None
+        if output.error is not None or output.finish_reason == "abort":
+            raise EngineError(output.error or "the engine aborted the request")
+        token_ids = list(output.new_token_ids)
+        self.num_output_tokens += len(token_ids)
+        self.num_cached_tokens = output.num_cached_tokens
+        if output.metrics is not None:
+            self.metrics = output.metrics
+        text_ids = token_ids
+        # The finishing EOS / stop_token_ids token is generated but not part of the answer's text.
+        ends_with_stop_token = output.finished and output.stop_token_id is not None
+        keep_stop_token = self.params.include_stop_str_in_output
+        if ends_with_stop_token and text_ids and text_ids[-1] == output.stop_token_id and not keep_stop_token:
+            text_ids = text_ids[:-1]
+        text = self.detokenizer.feed(text_ids)
+        if output.finished:
+            text += self.detokenizer.flush()
+        text = self.stop_matcher.feed(text)
+        if self.stop_matcher.matched is not None:
+            self.finish_reason = "stop"
+        elif output.finished:
+            text += self.stop_matcher.flush()
+            self.finish_reason = output.finish_reason or "stop"
+        logprobs = self._logprobs(output)
+        return ChoiceDelta(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs if self.return_logprobs else None,
+            finish_reason=self.finish_reason,
+            cumulative_logprob=self.cumulative_logprob if self.is_finished else None,
+        )
+
+    def cut_off(self) -> ChoiceDelta:
+        """End the choice before the engine did (the request timed out): release held text, reason length."""
+        text = self.stop_matcher.feed(self.detokenizer.flush()) + self.stop_matcher.flush()
+        self.finish_reason = "length"
+        return ChoiceDelta(
+            self.index, text, [], [] if self.return_logprobs else None, "length", self.cumulative_logprob
+        )
+
+    def _logprobs(self, output: RequestOutput) -> list[LogprobEntry]:
+        entries: list[LogprobEntry] = []
+        for item in output.new_logprobs or ():
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + item.logprob
+            if not self.return_logprobs:
+                continue
+            token, raw = token_text(self.tokenizer, item.token_id)
+            top = []
+            for token_id, logprob in item.top:
+                top_token, top_raw = token_text(self.tokenizer, token_id)
+                top.append(TopLogprob(top_token, top_raw, logprob))
+            entries.append(LogprobEntry(item.token_id, token, raw, item.logprob, tuple(top)))
+        return entries
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry] | None
+    finish_reason: str | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class Completion:
+    choices: list[ChoiceResult]  # by index
+    usage: Usage
+
+
+async def fold(events: AsyncIterator[Event]) -> Completion:
+    """The non-streaming response: every event of the stream, concatenated per choice."""
+    choices: dict[int, ChoiceResult] = {}
+    usage = Usage(0, 0, 0)
+    async for event in events:
+        if isinstance(event, Usage):
+            usage = event
+            continue
+        choice = choices.get(event.index)
+        if choice is None:
+            choice = ChoiceResult(event.index, "", [], None, None, None)
+            choices[event.index] = choice
+        choice.text += event.text
+        choice.token_ids.extend(event.token_ids)
+        if event.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + event.logprobs
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            choice.cumulative_logprob = event.cumulative_logprob
+    return Completion([choices[i] for i in sorted(choices)], usage)

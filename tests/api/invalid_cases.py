@@ -1,0 +1,122 @@
+"""The table of invalid requests: each must be answered with its 4xx and an OpenAI error body naming the
+parameter. Shared by the in-process app tests and the real-server tests."""
+
+from __future__ import annotations
+
+import json
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "Hello"}]
+
+
+def chat(model: str, **fields) -> dict:
+    return {"model": model, "messages": USER, "max_tokens": 4, **fields}
+
+
+def completion(model: str, **fields) -> dict:
+    return {"model": model, "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
+    """(id, path, body (dict, or bytes sent as is), status, param)."""
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    tool_call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    return [
+        ("bad-json", CHAT, b'{"model": "x", "messages": [', 400, None),
+        ("not-an-object", CHAT, b"[1, 2]", 400, None),
+        ("empty-body", CHAT, b"", 400, None),
+        ("missing-model", CHAT, {"messages": USER}, 400, "model"),
+        ("missing-messages", CHAT, {"model": model}, 400, "messages"),
+        ("empty-messages", CHAT, {"model": model, "messages": []}, 400, "messages"),
+        ("messages-not-list", CHAT, {"model": model, "messages": "hi"}, 400, "messages"),
+        ("missing-role", CHAT, {"model": model, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+        ("content-number", CHAT, chat(model, messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+        ("content-empty", CHAT, chat(model, messages=[{"role": "user", "content": ""}]), 400, "messages[0].content"),
+        ("content-missing", CHAT, chat(model, messages=[{"role": "user"}]), 400, "messages[0].content"),
+        ("content-empty-list", CHAT, chat(model, messages=[{"role": "user", "content": []}]), 400,
+         "messages[0].content"),
+        ("text-part-empty", CHAT, chat(model, messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]),
+         400, "messages[0].content[0].text"),
+        ("part-unknown-type", CHAT, chat(model, messages=[{"role": "user", "content": [{"type": "blob"}]}]), 400,
+         "messages[0].content[0].type"),
+        ("image-part", CHAT, chat(model, messages=[{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                                                                 image]}]),
+         400, "messages[0].content[1].type"),
+        ("audio-part", CHAT, chat(model, messages=[{"role": "user", "content": [audio]}]), 400,
+         "messages[0].content[0].type"),
+        ("tool-without-id", CHAT, chat(model, messages=[*USER, {"role": "assistant", "tool_calls": [tool_call]},
+                                                        {"role": "tool", "content": "42"}]),
+         400, "messages[2].tool_call_id"),
+        ("tool-call-bad", CHAT, chat(model, messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+         400, "messages[1].tool_calls[0].function"),
+        ("prefix-not-last", CHAT, chat(model, messages=[{"role": "assistant", "content": "a", "prefix": True}, *USER]),
+         400, "messages[0].prefix"),
+        ("temperature-string", CHAT, chat(model, temperature="hot"), 400, "temperature"),
+        ("temperature-negative", CHAT, chat(model, temperature=-0.5), 400, "temperature"),
+        ("top-p-zero", CHAT, chat(model, top_p=0), 400, "top_p"),
+        ("top-p-above-one", CHAT, chat(model, top_p=1.5), 400, "top_p"),
+        ("top-k-below", CHAT, chat(model, top_k=-2), 400, "top_k"),
+        ("top-k-float", CHAT, chat(model, top_k=1.5), 400, "top_k"),
+        ("presence-penalty", CHAT, chat(model, presence_penalty=2.5), 400, "presence_penalty"),
+        ("frequency-penalty", CHAT, chat(model, frequency_penalty=-3), 400, "frequency_penalty"),
+        ("repetition-penalty", CHAT, chat(model, repetition_penalty=0), 400, "repetition_penalty"),
+        ("max-tokens-zero", CHAT, chat(model, max_tokens=0), 400, "max_tokens"),
+        ("max-tokens-float", CHAT, chat(model, max_tokens=2.5), 400, "max_tokens"),
+        ("max-tokens-huge", CHAT, chat(model, max_tokens=2**31), 400, "max_tokens"),
+        ("max-completion-tokens", CHAT, chat(model, max_completion_tokens=0), 400, "max_completion_tokens"),
+        ("n-zero", CHAT, chat(model, n=0), 400, "n"),
+        ("n-too-many", CHAT, chat(model, n=129), 400, "n"),
+        ("best-of-below-n", CHAT, chat(model, n=3, best_of=2), 400, "best_of"),
+        ("best-of-stream", CHAT, chat(model, n=1, best_of=2, stream=True), 400, "best_of"),
+        ("n-greedy", CHAT, chat(model, n=2, temperature=0), 400, "temperature"),
+        ("top-logprobs", CHAT, chat(model, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+        ("logprobs-string", CHAT, chat(model, logprobs="yes"), 400, "logprobs"),
+        ("seed-negative", CHAT, chat(model, seed=-1), 400, "seed"),
+        ("seed-too-big", CHAT, chat(model, seed=2**64), 400, "seed"),
+        ("stop-number", CHAT, chat(model, stop=7), 400, "stop"),
+        ("stop-empty", CHAT, chat(model, stop=""), 400, "stop"),
+        ("stop-empty-item", CHAT, chat(model, stop=["a", ""]), 400, "stop"),
+        ("stop-too-long", CHAT, chat(model, stop=["x" * 20000, "y" * 20000]), 400, "stop"),
+        ("stop-token-null", CHAT, chat(model, stop_token_ids=[2, None]), 400, "stop_token_ids"),
+        ("stream-string", CHAT, chat(model, stream="yes"), 400, "stream"),
+        ("stream-options", CHAT, chat(model, stream=True, stream_options={"include_usage": "x"}), 400,
+         "stream_options.include_usage"),
+        ("template-kwargs", CHAT, chat(model, chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
+        ("tools", CHAT, chat(model, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+        ("tool-choice", CHAT, chat(model, tool_choice="auto"), 400, "tool_choice"),
+        ("tool-choice-number", CHAT, chat(model, tool_choice=5), 400, "tool_choice"),
+        ("response-format", CHAT, chat(model, response_format={"type": "json_object"}), 400, "response_format"),
+        ("beam-search", CHAT, chat(model, use_beam_search=True), 400, "use_beam_search"),
+        ("length-penalty", CHAT, chat(model, length_penalty=2.0), 400, "length_penalty"),
+        ("enable-search", CHAT, chat(model, enable_search=True), 400, "enable_search"),
+        ("code-interpreter", CHAT, chat(model, enable_code_interpreter=True), 400, "enable_code_interpreter"),
+        ("audio-output", CHAT, chat(model, modalities=["text", "audio"]), 400, "modalities"),
+        ("unknown-model", CHAT, chat("no-such-model"), 404, "model"),
+        ("prompt-too-long", CHAT, chat(model, messages=[{"role": "user", "content": "hello " * 9000}]), 400,
+         "messages"),
+        ("completion-no-prompt", COMPLETIONS, {"model": model}, 400, "prompt"),
+        ("completion-empty-prompt", COMPLETIONS, completion(model, prompt=[]), 400, "prompt"),
+        ("completion-prompt-number", COMPLETIONS, completion(model, prompt=5), 400, "prompt"),
+        ("completion-bad-token", COMPLETIONS, completion(model, prompt=[1, 10**9]), 400, "prompt"),
+        ("completion-suffix", COMPLETIONS, completion(model, suffix="end"), 400, "suffix"),
+        ("completion-logprobs", COMPLETIONS, completion(model, logprobs=21), 400, "logprobs"),
+        ("completion-unknown-model", COMPLETIONS, completion("nope"), 404, "model"),
+    ]  # fmt: skip
+
+
+def encode(body: object) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+def check_error(response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] == param, error
+    return error

@@ -1,0 +1,141 @@
+"""The MindIE config-file reader and the CLI's layering: defaults < --config file < flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serval.cli import build_parser, byte_size, engine_config, merged_options, server_config
+from serval.server_config import GIB, ServerConfig, read_mindie_config
+
+MINDIE = {
+    "Version": "1.0.0",
+    "ServerConfig": {
+        "ipAddress": "127.0.0.2",
+        "port": 1025,
+        "httpsEnabled": False,
+        "fullTextEnabled": True,
+        "e2eTimeout": 60,
+        "tlsCert": "security/certs/server.pem",
+        "managementPort": 1026,
+    },
+    "BackendConfig": {
+        "npuDeviceIds": [[0]],
+        "ModelDeployConfig": {
+            "maxSeqLen": 2560,
+            "maxInputTokenLen": 2048,
+            "ModelConfig": [{"modelName": "llama_65b", "modelWeightPath": "/data/llama", "npuMemSize": 2}],
+        },
+        "ScheduleConfig": {
+            "maxBatchSize": 200,
+            "maxIterTimes": 512,
+            "maxPrefillTokens": 8192,
+            "cacheBlockSize": 128,
+        },
+    },
+}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_reads_the_mindie_fields(tmp_path):
+    options = read_mindie_config(write(tmp_path, MINDIE))
+    assert options == {
+        "host": "127.0.0.2",
+        "port": 1025,
+        "full_text_enabled": True,
+        "request_timeout": 60,
+        "max_model_len": 2560,
+        "max_input_tokens": 2048,
+        "max_num_seqs": 200,
+        "max_iter_times": 512,
+        "max_num_batched_tokens": 8192,
+        "block_size": 128,
+        "served_model_name": ["llama_65b"],
+        "model": "/data/llama",
+        "kv_cache_memory_bytes": 2 * GIB,
+    }
+
+
+def test_flat_sections_and_https(tmp_path):
+    data = {
+        "ServerConfig": {"httpsEnabled": True, "tlsCert": "certs/server.pem", "tlsPk": "/abs/key.pem"},
+        "ScheduleConfig": {"maxBatchSize": 4},
+    }
+    options = read_mindie_config(write(tmp_path, data))
+    assert options["ssl_certfile"] == str(tmp_path / "certs/server.pem")  # relative to the file
+    assert options["ssl_keyfile"] == "/abs/key.pem"
+    assert options["max_num_seqs"] == 4
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"ServerConfig": {"port": "80"}}, "port must be an integer"),
+        ({"ServerConfig": {"port": True}}, "port must be an integer"),
+        ({"ServerConfig": {"httpsEnabled": True}}, "needs ServerConfig.tlsCert"),
+        ({"ServerConfig": {"ipAddress": "0.0.0.0"}}, "allowAllZeroIpListening"),
+        ({"ModelDeployConfig": {"ModelConfig": []}}, "non-empty list"),
+        ([1], "must hold a JSON object"),
+    ],
+)
+def test_bad_files_are_value_errors(tmp_path, data, message):
+    with pytest.raises(ValueError, match=message):
+        read_mindie_config(write(tmp_path, data))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_mindie_config(str(tmp_path / "missing.json"))
+
+
+def test_flags_override_the_file(tmp_path):
+    args = build_parser().parse_args(
+        ["serve", "--config", write(tmp_path, MINDIE), "--port", "9000", "--max-num-seqs", "8",
+         "--api-key", "a", "--api-key", "b", "--no-full-text-enabled", "--kv-cache-memory-bytes", "512MiB"]
+    )  # fmt: skip
+    options = merged_options(args)
+    server = server_config(options, "unused")
+    engine = engine_config(options)
+    assert (server.host, server.port, server.full_text_enabled) == ("127.0.0.2", 9000, False)
+    assert server.api_keys == ("a", "b") and server.served_model_names == ("llama_65b",)
+    assert (server.max_input_tokens, server.max_iter_times, server.request_timeout) == (2048, 512, 60)
+    assert engine.scheduler.max_num_seqs == 8 and engine.scheduler.max_num_batched_tokens == 8192
+    assert engine.model.max_model_len == 2560 and engine.model.model == "/data/llama"
+    assert engine.cache.kv_cache_memory_bytes == 512 * 2**20 and engine.cache.block_size == 128
+
+
+def test_defaults_without_a_file(monkeypatch):
+    monkeypatch.delenv("SERVAL_API_KEY", raising=False)
+    options = merged_options(build_parser().parse_args(["serve"]))
+    server = server_config(options, "SmolLM2")
+    assert (server.host, server.port, server.api_keys, server.served_model_names) == (
+        "127.0.0.1", 8000, (), ("SmolLM2",),
+    )  # fmt: skip
+    assert engine_config(options).scheduler.max_queue_len == 1024
+    monkeypatch.setenv("SERVAL_API_KEY", "x,y")
+    assert server_config(merged_options(build_parser().parse_args(["serve"])), "m").api_keys == ("x", "y")
+
+
+def test_byte_size_and_server_config_validation():
+    assert byte_size("1024") == 1024 and byte_size("2GiB") == 2 * GIB and byte_size("1.5k") == 1536
+    with pytest.raises(ValueError):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError):
+        ServerConfig(ssl_keyfile="k.pem")
+    with pytest.raises(ValueError):
+        ServerConfig(api_keys=("",))
+
+
+def test_chat_template_option(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    options = {"chat_template": str(path)}
+    assert server_config(options, "m").chat_template == path.read_text()
+    assert server_config({"chat_template": "{{ 1 }}"}, "m").chat_template == "{{ 1 }}"
+    with pytest.raises(ValueError, match="not found"):
+        server_config({"chat_template": str(tmp_path / "missing.jinja")}, "m")
+    with pytest.raises(ValueError, match="does not compile"):
+        server_config({"chat_template": "{% for %}"}, "m")

@@ -1,0 +1,128 @@
+"""Real `serval serve` processes on loopback, each on a free port, stopped by pid at the end of the session.
+
+Two servers, started together (model loading dominates the suite's time, and the two loads overlap):
+`server` with the default flags, and `deploy_server` configured from a MindIE config.json plus API keys,
+one running request at a time, a one-request queue and a short request timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 240
+API_KEYS = ("key-one", "key-two")
+DEPLOY_MODEL = "smol"
+DEPLOY_TIMEOUT_S = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+    log_path: str
+    model: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def launch(args: list[str], log_path: str) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return Server(process, port, log_path)
+
+
+@pytest.fixture(scope="session")
+def _servers(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("servers")
+    config = {
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": 1025, "httpsEnabled": False, "fullTextEnabled": True,
+                         "e2eTimeout": DEPLOY_TIMEOUT_S},
+        "BackendConfig": {
+            "ModelDeployConfig": {"maxSeqLen": 2048, "maxInputTokenLen": 1024,
+                                  "ModelConfig": [{"modelName": DEPLOY_MODEL}]},
+            "ScheduleConfig": {"maxBatchSize": 1, "maxIterTimes": 64, "maxQueueLen": 1},
+        },
+    }  # fmt: skip
+    config_path = directory / "config.json"
+    config_path.write_text(json.dumps(config))
+    main = launch(["--log-level", "warning"], str(directory / "main.log"))
+    deploy_args = ["--config", str(config_path), "--log-level", "warning"]
+    for key in API_KEYS:
+        deploy_args += ["--api-key", key]
+    deploy = launch(deploy_args, str(directory / "deploy.log"))
+    servers = {"main": main, "deploy": deploy}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(_servers) -> Server:
+    server = _servers["main"]
+    server.wait_ready()
+    if not server.model:
+        server.model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    return server
+
+
+@pytest.fixture(scope="session")
+def deploy_server(_servers) -> Server:
+    server = _servers["deploy"]
+    server.wait_ready()
+    server.model = DEPLOY_MODEL
+    return server
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,43 @@
+"""Small helpers for the real-server tests: raw SSE reading and metric scraping."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+
+
+def sse_chunks(base_url: str, path: str, body: dict, headers: dict | None = None) -> list[dict]:
+    """POST a streaming request; return the decoded chunks, checking the framing ([DONE] last, once)."""
+    lines = []
+    with httpx.stream("POST", base_url + path, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def metric(base_url: str, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_until_idle(base_url: str, headers: dict | None = None, timeout: float = 20.0) -> None:
+    """Until no request runs or waits and no KV block is in use (the engine frees blocks at its next step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = metric(base_url, "serval_num_requests_running", headers)
+        waiting = metric(base_url, "serval_num_requests_waiting", headers)
+        usage = metric(base_url, "serval_kv_cache_usage_perc", headers)
+        if running == waiting == usage == 0:
+            return
+        assert time.monotonic() < deadline, f"still busy: running={running} waiting={waiting} kv={usage}"
+        time.sleep(0.1)

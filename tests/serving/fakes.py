@@ -1,0 +1,111 @@
+"""Test doubles for serving: a byte tokenizer (one token per UTF-8 byte, so every multi-byte character is split
+across tokens) with two ChatML special tokens."""
+
+from __future__ import annotations
+
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+class ByteTokenizer:
+    vocab_size = 256 + len(SPECIAL_TOKENS)
+    bos_token_id = None
+    bos_token = None
+    eos_token = "<|im_end|>"
+    eos_token_ids = (257,)
+    special_token_ids = frozenset({256, 257})
+    add_bos_token = False
+    chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            for j, special in enumerate(SPECIAL_TOKENS):
+                if text.startswith(special, i):
+                    ids.append(256 + j)
+                    i += len(special)
+                    break
+            else:
+                ids.extend(text[i].encode("utf-8"))
+                i += 1
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return SPECIAL_TOKENS[token_id - 256].encode() if token_id >= 256 else bytes([token_id])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = b"".join(
+            self.token_bytes(i) for i in ids if not (skip_special_tokens and i in self.special_token_ids)
+        )
+        return data.decode("utf-8", errors="replace")
+
+
+class FakeEngine:
+    """An EngineClient double: each request 'generates' the bytes of a scripted text, one token per step,
+    then EOS; seeds pick the text, so n choices differ. Records aborted requests."""
+
+    def __init__(self, texts: list[str], max_model_len: int = 256, delay: float = 0.0) -> None:
+        self.texts = texts
+        self.max_model_len = max_model_len
+        self.delay = delay
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.is_queue_full = False
+
+    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids=()):
+        import asyncio
+        import math
+
+        from serval.engine.client import QueueFullError
+        from serval.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+
+        if self.is_queue_full:
+            raise QueueFullError("1 requests are already waiting")
+        if len(prompt_token_ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise ValueError("the prompt does not fit")
+        text = self.texts[(params.seed or 0) % len(self.texts)]
+        ids = list(text.encode())[: params.max_tokens] if params.max_tokens else list(text.encode())
+        stops = not params.max_tokens or len(text.encode()) < params.max_tokens
+        if stops:
+            ids.append(eos_token_ids[0])
+        metrics = RequestMetrics(arrival_time=0.0)
+        done = False
+        try:
+            for step, token_id in enumerate(ids):
+                await asyncio.sleep(self.delay)
+                last = step == len(ids) - 1
+                metrics.batch_sizes.append(1)
+                metrics.queue_wait_us.append(10)
+                logprob = -0.1 * ((params.seed or 0) + 1)
+                logprobs = None
+                if params.logprobs is not None:
+                    top = [(token_id, logprob), (0, math.log(0.01))][: params.logprobs]
+                    logprobs = [TokenLogprob(token_id, logprob, top)]
+                done = last
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=logprobs,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=0,
+                    num_output_tokens=step + 1,
+                    finished=last,
+                    finish_reason=("stop" if stops else "length") if last else None,
+                    stop_token_id=eos_token_ids[0] if last and stops else None,
+                    metrics=metrics,
+                )
+            self.finished.append(request_id)
+        finally:
+            if not done:
+                self.aborted.append(request_id)
+
+    def stats(self):
+        from serval.engine.client import EngineStats
+
+        return EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0)
