@@ -5,12 +5,14 @@ slot = block_id * block_size + offset. A step's tokens are flattened into one va
 depends only on the step (slot mapping, gather indices, masks) is built once in `AttentionMetadata.build`
 and reused by every layer, so per-layer work is tensor ops only.
 
-Sequences that compute one token (decodes) run as one padded SDPA call; sequences that compute several
+Sequences that compute one token (decodes) run through the native kernel (kernels/, reading the cache in
+place) when it is built, else as one padded SDPA call over gathered K/V; sequences that compute several
 (prefill chunks) run one SDPA call each, causal with an offset when part of their context is already cached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # (num_decodes, max_context_len) slots to gather, padded with slot 0
     decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_context_len) bool, False on padding
     prefills: list[PrefillSlice]
+    # With a native decode kernel, decodes read the cache in place through these instead of decode_slots:
+    decode_kernel: Callable | None = None
+    decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int64
+    decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int64
+    block_size: int = 0
 
     @classmethod
     def build(
@@ -42,6 +49,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device,
+        decode_kernel: Callable | None = None,
     ) -> AttentionMetadata:
         num_seqs = len(num_new_tokens)
         max_blocks = max(len(t) for t in block_tables)
@@ -60,14 +68,18 @@ class AttentionMetadata:
         is_new = in_context & (positions >= computed[:, None])
         slot_mapping = slots[is_new]  # row-major: each sequence's new tokens in order
 
-        decode_rows_t = decode_slots = decode_mask = None
+        decode_rows_t = decode_slots = decode_mask = decode_tables = decode_lens = None
         is_decode = new == 1
         if bool(is_decode.any()):
             starts = new.cumsum(0) - new
             decode_rows_t = starts[is_decode].to(device)
-            max_len = int(context[is_decode].max())
-            decode_slots = slots[is_decode, :max_len].to(device)
-            decode_mask = in_context[is_decode, :max_len][:, None, None, :].to(device)
+            if decode_kernel is not None:
+                decode_tables = tables[is_decode].to(device)
+                decode_lens = context[is_decode].to(device)
+            else:
+                max_len = int(context[is_decode].max())
+                decode_slots = slots[is_decode, :max_len].to(device)
+                decode_mask = in_context[is_decode, :max_len][:, None, None, :].to(device)
         prefills: list[PrefillSlice] = []
         row = 0
         for i, (num_new, num_computed) in enumerate(zip(num_new_tokens, num_computed_tokens)):
@@ -88,6 +100,10 @@ class AttentionMetadata:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_kernel=decode_kernel,
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            block_size=block_size,
         )
 
 
@@ -103,7 +119,14 @@ def paged_attention(
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
+    if meta.decode_kernel is not None and meta.decode_rows is not None:
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        paged = (-1, meta.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
+        out[meta.decode_rows] = meta.decode_kernel(
+            q[meta.decode_rows], k_cache.view(paged), v_cache.view(paged),
+            meta.decode_block_tables, meta.decode_context_lens, scale,
+        )
+    elif meta.decode_rows is not None:
         q_dec = q[meta.decode_rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)
         k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # (num_decodes, num_kv_heads, max_len, head_dim)
         v_dec = v_cache[meta.decode_slots].transpose(1, 2)

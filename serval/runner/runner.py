@@ -13,6 +13,7 @@ from serval.config import CacheConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
+from serval.runner.kernels import load_cpu_kernels
 from serval.runner.loader.load import load_model, read_arch_config
 from serval.runner.models.arch import ArchConfig
 from serval.runner.sampler import Sampler
@@ -65,6 +66,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config.kv_cache_memory_bytes)
         self.kv_caches = self._allocate_kv_cache()
+        self.decode_kernel = None
+        if self.device.type == "cpu":
+            kernels = load_cpu_kernels()
+            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
@@ -112,7 +117,12 @@ class ModelRunner:
         ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1  # last token row of each sequence
         logit_rows = ends[batch.sample_indices].to(device)
         meta = AttentionMetadata.build(
-            batch.num_new_tokens, batch.num_computed_tokens, batch.block_tables, self.block_size, device
+            batch.num_new_tokens,
+            batch.num_computed_tokens,
+            batch.block_tables,
+            self.block_size,
+            device,
+            self.decode_kernel,
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=device)
