@@ -71,28 +71,43 @@ def run_hf(args, batch_sizes: list[int]) -> None:
                 pad_token_id=0,
             )
         elapsed = time.perf_counter() - started
-        report(args, "hf-transformers", str(dtype).removeprefix("torch."), batch_size,
-               (out.shape[1] - prompts.shape[1]) * batch_size, elapsed)
+        report(
+            args,
+            "hf-transformers",
+            str(dtype).removeprefix("torch."),
+            batch_size,
+            (out.shape[1] - prompts.shape[1]) * batch_size,
+            elapsed,
+        )
 
 
 def report(args, engine: str, dtype: str, batch_size: int, num_generated: int, elapsed: float) -> None:
-    print(json.dumps({
-        "bench": "offline",
-        "engine": engine,
-        "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "generated_tokens": num_generated,
-        "seconds": round(elapsed, 3),
-        "output_tokens_per_s": round(num_generated / elapsed, 1),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "offline",
+                "engine": engine,
+                "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
+                "dtype": dtype,
+                "batch_size": batch_size,
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "generated_tokens": num_generated,
+                "seconds": round(elapsed, 3),
+                "output_tokens_per_s": round(num_generated / elapsed, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded model)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: the embedded model)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -17,7 +17,9 @@ def tiny_model_factory(tmp_path_factory):
     def make(architecture: str, tie_word_embeddings: bool = False):
         key = (architecture, tie_word_embeddings)
         if key not in made:
-            directory = tmp_path_factory.mktemp(f"tiny-{architecture}-{'tied' if tie_word_embeddings else 'untied'}")
+            directory = tmp_path_factory.mktemp(
+                f"tiny-{architecture}-{'tied' if tie_word_embeddings else 'untied'}"
+            )
             made[key] = (str(directory), write_tiny_model(str(directory), architecture, tie_word_embeddings))
         return made[key]
 

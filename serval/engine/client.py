@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from serval.config import EngineConfig
+from serval.engine.constraint import TokenConstraint
 from serval.engine.engine import Engine
 from serval.engine.outputs import RequestOutput
 from serval.sampling import SamplingParams
@@ -57,6 +58,7 @@ class EngineClient:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.runner.info.vocab_size  # the logits' width (may exceed the tokenizer's)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
@@ -77,6 +79,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
+        constraint: TokenConstraint | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
@@ -90,7 +93,9 @@ class EngineClient:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._num_pending += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
+        self._commands.put(
+            ("add", request_id, list(prompt_token_ids), params, tuple(eos_token_ids), constraint)
+        )
         finished = False
         try:
             while True:
@@ -146,7 +151,7 @@ class EngineClient:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # noqa: BLE001 - a failed step must not kill the server
+            except Exception:  # a failed step must not kill the server
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all("internal error while generating")
                 continue
@@ -168,14 +173,14 @@ class EngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, eos_token_ids = command
+            _, request_id, prompt_token_ids, params, eos_token_ids, constraint = command
             with self._lock:
                 self._num_pending -= 1
                 wanted = request_id in self._streams
             if not wanted:
                 return  # the caller went away before the engine saw the request
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, eos_token_ids)
+                self.engine.add_request(request_id, prompt_token_ids, params, eos_token_ids, constraint)
             except ValueError as e:
                 self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))
         elif kind == "abort":

@@ -123,8 +123,12 @@ def paged_attention(
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged = (-1, meta.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
         out[meta.decode_rows] = meta.decode_kernel(
-            q[meta.decode_rows], k_cache.view(paged), v_cache.view(paged),
-            meta.decode_block_tables, meta.decode_context_lens, scale,
+            q[meta.decode_rows],
+            k_cache.view(paged),
+            v_cache.view(paged),
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
         )
     elif meta.decode_rows is not None:
         q_dec = q[meta.decode_rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)

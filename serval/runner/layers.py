@@ -74,14 +74,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that sends decode-sized inputs (a few rows) to a native bf16 kernel when one is set.
+
+    The runner sets `small_batch_kernel` after loading (`use_small_batch_kernel`); without it this is
+    exactly nn.Linear.
+    """
+
+    MAX_KERNEL_ROWS = 8
+    small_batch_kernel = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.small_batch_kernel
+        if kernel is not None and x.dim() == 2 and x.shape[0] <= self.MAX_KERNEL_ROWS:
+            y = kernel(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def small_batch_matmul(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T, through the native kernel for a few rows when available (the tied lm_head uses it)."""
+    if kernel is not None and x.shape[0] <= Linear.MAX_KERNEL_ROWS:
+        return kernel(x, weight)
+    return x @ weight.t()
+
+
+def use_small_batch_kernel(model: nn.Module, kernel) -> None:
+    """Point every Linear of the model at the kernel (None: back to plain PyTorch)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.in_features % 32 == 0:
+            module.small_batch_kernel = kernel
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

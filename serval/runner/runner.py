@@ -14,6 +14,7 @@ from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import load_cpu_kernels
+from serval.runner.layers import use_small_batch_kernel
 from serval.runner.loader.load import load_model, read_arch_config
 from serval.runner.models.arch import ArchConfig
 from serval.runner.sampler import Sampler
@@ -64,12 +65,18 @@ class ModelRunner:
         )
         self.model = load_model(source, self.arch, self.dtype, self.device, self.max_model_len)
         self.block_size = cache_config.block_size
-        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config.kv_cache_memory_bytes)
+        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
+            cache_config.kv_cache_memory_bytes
+        )
         self.kv_caches = self._allocate_kv_cache()
         self.decode_kernel = None
         if self.device.type == "cpu":
             kernels = load_cpu_kernels()
-            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+            if kernels is not None:
+                self.decode_kernel = kernels.paged_decode_attention
+                if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
+                    use_small_batch_kernel(self.model, kernels.bf16_linear_small_batch)
+                    self.model.tied_head_kernel = kernels.bf16_linear_small_batch
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)

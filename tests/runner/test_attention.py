@@ -18,8 +18,12 @@ def _dense_reference(q, k_ctx, v_ctx, num_computed):
     q_pos = torch.arange(num_computed, num_computed + q.shape[0])
     mask = torch.arange(context)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k_ctx.transpose(0, 1).float(), v_ctx.transpose(0, 1).float(),
-        attn_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True,
+        q.transpose(0, 1).float(),
+        k_ctx.transpose(0, 1).float(),
+        v_ctx.transpose(0, 1).float(),
+        attn_mask=mask,
+        scale=HEAD_DIM**-0.5,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)
 

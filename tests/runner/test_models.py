@@ -107,5 +107,7 @@ def test_gguf_checkpoint_matches_transformers(tiny_model_factory, tmp_path, arch
         assert (_serval_logits(engine, prompt) - theirs).abs().max().item() < 1e-3
     ours = _greedy(engine, PROMPTS[:1], max_tokens=8)[0]
     with torch.no_grad():
-        out = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        out = reference.generate(
+            torch.tensor([PROMPTS[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
     assert ours == out[0, len(PROMPTS[0]) :].tolist()

@@ -11,7 +11,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_attention_cpu.cpp")
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
 
 
 def load_cpu_kernels():

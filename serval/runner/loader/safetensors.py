@@ -40,13 +40,13 @@ def safetensors_files(directory: str) -> list[str]:
 
 def iter_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(directory)
-    names = []
+    num_tensors = 0
     for path in files:
         with safe_open(path, framework="pt") as f:
-            names.extend((path, name) for name in f.keys())
-    with tqdm(total=len(names), desc="loading weights", unit="tensor", disable=None) as bar:
+            num_tensors += len(f.keys())
+    with tqdm(total=num_tensors, desc="loading weights", unit="tensor", disable=None) as bar:
         for path in files:
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     yield name, f.get_tensor(name)
                     bar.update(1)

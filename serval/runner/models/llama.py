@@ -12,7 +12,15 @@ import torch
 from torch import nn
 
 from serval.runner.attention import AttentionMetadata, paged_attention
-from serval.runner.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_inverse_frequencies
+from serval.runner.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    rope_inverse_frequencies,
+    small_batch_matmul,
+)
 from serval.runner.models.arch import ArchConfig
 
 
@@ -25,8 +33,8 @@ class Attention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -83,9 +91,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, False)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False)
         self.max_positions = max_positions
         self.rotary = self._make_rotary(None)
+        self.tied_head_kernel = None  # set with the Linear kernels by the runner
 
     def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
         arch = self.arch
@@ -105,8 +114,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logit_rows])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (x @ weight.t()).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        return small_batch_matmul(self.tied_head_kernel, x, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -156,7 +156,52 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
+// y = x @ w.T for a few rows of x (decode), bf16 weights streamed once with AVX512-BF16 dot products.
+// oneDNN's bf16 GEMM is tuned for many rows; with one to eight it reads weights far below memory bandwidth.
+torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes must be (M, K) and (N, K)");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M <= 8 && K % 32 == 0, "at most 8 rows and K a multiple of 32");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto out = torch::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      __m512 acc[8];
+      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      const uint16_t* wrow = wp + n * K;
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wrow + k);
+        for (int64_t m = 0; m < M; ++m) {
+          acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(xp + m * K + k));
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "built without AVX512-BF16");
+  return x;
+#endif
+}
+
+bool has_bf16_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for at most 8 rows, bf16");
+  m.def("has_bf16_linear", &has_bf16_linear, "whether bf16_linear_small_batch was compiled in");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (one query token per sequence)");
 }

@@ -1,0 +1,47 @@
+"""Native CPU kernels against PyTorch on the same inputs (the attention kernel is in test_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serval.config import CacheConfig, EngineConfig, ModelConfig
+from serval.engine.engine import Engine
+from serval.runner.batch import Batch
+from serval.runner.kernels import load_cpu_kernels
+from serval.runner.layers import use_small_batch_kernel
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = load_cpu_kernels()
+    if built is None or not built.has_bf16_linear():
+        pytest.skip("the bf16 small-batch kernel needs AVX512-BF16 and a C++ compiler")
+    return built
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (576, 1536), (1000, 576)])
+def test_bf16_small_batch_linear_matches_fp32_reference(kernels, rows, shape):
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    x = torch.randn(rows, in_features).bfloat16()
+    w = torch.randn(out_features, in_features).bfloat16()
+    reference = x.float() @ w.float().t()  # exact products of the bf16 values, fp32 sums
+    got = kernels.bf16_linear_small_batch(x, w).float()
+    # Only the final rounding to bf16 (8 bits of mantissa) and the summation order differ.
+    assert ((got - reference).abs() / (reference.abs() + 1.0)).max().item() < 1e-2
+
+
+def test_bf16_model_logits_agree_with_and_without_the_kernel(tiny_model_factory, kernels):
+    directory, _ = tiny_model_factory("qwen2", False)
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="bfloat16"), cache=CacheConfig(num_blocks=32)
+    )
+    runner = Engine(config).runner
+    decode_step = Batch([17], [1], [0], [[0]], [0], [])
+    logits = {}
+    for use_kernel in (True, False):
+        use_small_batch_kernel(runner.model, kernels.bf16_linear_small_batch if use_kernel else None)
+        logits[use_kernel] = runner.compute_logits(decode_step)[0]
+    assert (logits[True] - logits[False]).abs().max().item() < 0.05
