@@ -116,8 +116,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    k_cache.index_copy_(0, meta.slot_mapping, k)  # index_copy_ is several times cheaper than index_put
+    v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     if meta.decode_kernel is not None and meta.decode_rows is not None:
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
