@@ -137,8 +137,12 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.serving.frontend import Frontend
     from serval.serving.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_source(source)
-    client = EngineClient.start(engine)
+    try:
+        tokenizer = Tokenizer.from_source(source)
+        client = EngineClient.start(engine)
+    except (ValueError, OSError) as e:
+        # A corrupt file, an unknown architecture or quantization type: one line, not a traceback.
+        sys.exit(f"serval: error: cannot load the model {source.path}: {e}")
     try:
         frontend = Frontend(
             client, tokenizer, server.chat_template, server.max_input_tokens, server.max_iter_times
