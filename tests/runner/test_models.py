@@ -111,3 +111,14 @@ def test_gguf_checkpoint_matches_transformers(tiny_model_factory, tmp_path, arch
             torch.tensor([PROMPTS[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
         )
     assert ours == out[0, len(PROMPTS[0]) :].tolist()
+
+
+def test_sharded_safetensors_checkpoint_loads(tiny_model_factory, tmp_path):
+    _, reference = tiny_model_factory("llama", False)
+    reference.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    engine = _engine(str(tmp_path))
+    with torch.no_grad():
+        theirs = reference(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert (_serval_logits(engine, PROMPTS[0]) - theirs).abs().max().item() < 1e-3
