@@ -15,8 +15,7 @@ from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_small_batch_kernel
-from serval.runner.loader.load import load_model, read_arch_config
-from serval.runner.models.arch import ArchConfig
+from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.sampler import Sampler
 
 
@@ -59,11 +58,11 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource):
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
-        self.arch: ArchConfig = read_arch_config(source)
+        self.arch, weights = open_checkpoint(source)
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        self.model = load_model(source, self.arch, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.arch, weights, self.dtype, self.device, self.max_model_len)
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes

@@ -215,9 +215,12 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation)."""
-    reader = open_gguf(path)
+def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
+
+    Pass the reader when the caller already opened the file: parsing the metadata takes seconds.
+    """
+    reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
     # dequantizing, not after
     _architecture(reader)

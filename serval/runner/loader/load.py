@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from serval.model_source import ModelSource
@@ -9,17 +11,26 @@ from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_c
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
 
+WeightsReader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
-def read_arch_config(source: ModelSource) -> ArchConfig:
+
+def open_checkpoint(source: ModelSource) -> tuple[ArchConfig, WeightsReader]:
+    """The checkpoint's architecture, and a function that streams its weights with Hugging Face names.
+
+    A GGUF file is parsed once for both (its metadata alone takes seconds to read).
+    """
     if source.is_gguf:
-        from serval.runner.loader.gguf import read_gguf_config
+        from serval.runner.loader.gguf import config_from_reader, iter_gguf_weights, open_gguf
 
-        return ArchConfig.from_hf_config(read_gguf_config(source.path))
-    return ArchConfig.from_hf_config(read_hf_config(source.path))
+        reader = open_gguf(source.path)
+        arch = ArchConfig.from_hf_config(config_from_reader(reader))
+        return arch, lambda: iter_gguf_weights(source.path, reader)
+    arch = ArchConfig.from_hf_config(read_hf_config(source.path))
+    return arch, lambda: iter_safetensors_weights(source.path)
 
 
 def load_model(
-    source: ModelSource, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    arch: ArchConfig, weights: WeightsReader, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> torch.nn.Module:
     cls = model_class(arch.architecture)
     # Build on the meta device so that no memory is spent on random init, then materialize.
@@ -27,13 +38,7 @@ def load_model(
         model = cls(arch, max_positions)
     model = model.to_empty(device="cpu")
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
-    if source.is_gguf:
-        from serval.runner.loader.gguf import iter_gguf_weights
-
-        weights = iter_gguf_weights(source.path)
-    else:
-        weights = iter_safetensors_weights(source.path)
-    model.load_weights((name, tensor.to(torch.float32)) for name, tensor in weights)
+    model.load_weights((name, tensor.to(torch.float32)) for name, tensor in weights())
     model = model.to(dtype=dtype, device=device)
     # The RoPE table stays fp32 whatever the weights' dtype: positions beyond a few thousand lose
     # precision in bf16.
