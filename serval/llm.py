@@ -65,14 +65,18 @@ class LLM:
         max_num_batched_tokens: int = 512,
     ):
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(
+                model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
         )
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
@@ -86,7 +90,9 @@ class LLM:
     ) -> list[GenerationOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params_list = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         results, choices = [], {}

@@ -150,11 +150,13 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         chat = parse(ChatCompletionRequest, await read_body(request, config.max_request_body_bytes))
         model = check_model(chat.model)
         req.check_chat_features(chat)
+        options = req.chat_options(chat)
         is_stream = bool(chat.stream)
         params = req.chat_sampling_params(chat, is_stream)
         messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message)
-        prompt = frontend.render_chat(
+        prompt, output = await frontend.prepare_chat(
             messages,
+            options,
             add_generation_prompt=chat.add_generation_prompt is not False,
             continue_final_message=continue_final,
             template_kwargs=req.with_template_kwargs(chat),
@@ -162,7 +164,12 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         events = frontend.generate(
-            request_id, [prompt], params, params.logprobs is not None, config.request_timeout
+            request_id,
+            [prompt],
+            params,
+            params.logprobs is not None,
+            config.request_timeout,
+            output_plan=output,
         )
         fmt = StreamFormat(
             request_id, created, model, params.n, usage_mode(chat.stream_options), config.full_text_enabled

@@ -2,7 +2,8 @@
 
 Owns the exact shape of every response field (docs/api.md describes them): chat.completion and
 chat.completion.chunk, text_completion, usage with prompt_tokens_details.cached_tokens and MindIE's timing
-arrays, logprobs in the chat form (with `bytes`) and the legacy completions form.
+arrays and completion_tokens_details.reasoning_tokens, the assistant message with reasoning_content and
+tool_calls, logprobs in the chat form (with `bytes`) and the legacy completions form.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from serval.serving.output import ToolCallDelta
 from serval.serving.stream import ChoiceResult, Completion, LogprobEntry, Usage
 
 DONE = "data: [DONE]\n\n"
@@ -25,6 +27,7 @@ def usage_body(usage: Usage, with_timing: bool = True) -> dict[str, Any]:
         "completion_tokens": usage.num_completion_tokens,
         "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.num_reasoning_tokens},
     }
     if with_timing:
         body["batch_size"] = list(usage.batch_sizes)
@@ -60,13 +63,36 @@ def chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
     return {"content": content}
 
 
+def tool_call_body(call: ToolCallDelta) -> dict[str, Any]:
+    """A tool call (or, in a stream, a piece of one: id and name come only in a call's first piece)."""
+    body: dict[str, Any] = {"index": call.index}
+    function: dict[str, Any] = {}
+    if call.id is not None:
+        body.update(id=call.id, type="function")
+        function["name"] = call.name
+    function["arguments"] = call.arguments
+    body["function"] = function
+    return body
+
+
+def chat_message(choice: ChoiceResult, prefix: str = "") -> dict[str, Any]:
+    content: str | None = prefix + choice.text
+    if choice.tool_calls and not content.strip():
+        content = None  # OpenAI: a message of calls only has null content
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if choice.reasoning_text:
+        message["reasoning_content"] = choice.reasoning_text
+    message["tool_calls"] = [tool_call_body(call) for call in choice.tool_calls]
+    return message
+
+
 def chat_completion(
     request_id: str, created: int, model: str, completion: Completion, prefix: str = ""
 ) -> dict[str, Any]:
     choices = [
         {
             "index": choice.index,
-            "message": {"role": "assistant", "content": prefix + choice.text, "tool_calls": []},
+            "message": chat_message(choice, prefix),
             "logprobs": chat_logprobs(choice.logprobs),
             "finish_reason": choice.finish_reason,
         }

@@ -23,6 +23,7 @@ from serval.api.responses import (
     legacy_logprobs,
     sse,
     timing_fields,
+    tool_call_body,
     usage_body,
 )
 from serval.serving.stream import ChoiceDelta, Event, Usage
@@ -70,7 +71,8 @@ class _Assembler:
             per_prompt = max(1, self.fmt.num_choices // len(self.fmt.echoes))
             text = self.fmt.echoes[delta.index // per_prompt] + text
         self.texts[delta.index] = self.texts.get(delta.index, "") + text
-        if not (is_first or text or delta.logprobs or delta.finish_reason):
+        if not (is_first or text or delta.logprobs or delta.finish_reason or delta.reasoning_text
+                or delta.tool_calls):  # fmt: skip
             return None  # nothing to show yet (text held back for a stop string or a partial character)
         content = self.texts[delta.index] if self.fmt.full_text_enabled else text
         extra: dict[str, Any] = {}
@@ -82,6 +84,10 @@ class _Assembler:
             message: dict[str, Any] = {"role": "assistant"} if is_first else {}
             if content or is_first or self.fmt.full_text_enabled:
                 message["content"] = content
+            if delta.reasoning_text:
+                message["reasoning_content"] = delta.reasoning_text
+            if delta.tool_calls:
+                message["tool_calls"] = [tool_call_body(call) for call in delta.tool_calls]
             choice = chat_chunk_choice(delta.index, message, delta.logprobs, delta.finish_reason)
         else:
             choice = {

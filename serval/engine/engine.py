@@ -10,6 +10,7 @@ import time
 
 from serval.config import EngineConfig
 from serval.engine.block_manager import BlockManager
+from serval.engine.constraint import TokenConstraint
 from serval.engine.outputs import RequestOutput, TokenLogprob
 from serval.engine.request import Request
 from serval.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,7 +32,9 @@ class Engine:
         info = self.runner.info
         # A request can never hold more tokens than the whole cache, whatever the model's context.
         self.max_model_len = min(info.max_model_len, info.num_blocks * info.block_size)
-        self.block_manager = BlockManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            info.num_blocks, info.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -46,6 +49,7 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
+        constraint: TokenConstraint | None = None,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -53,7 +57,7 @@ class Engine:
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids)
+        request = Request(request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -131,6 +135,9 @@ class Engine:
             token_id = sampled.token_ids[row]
             self._record_timing(request, batch_size, started, elapsed, now)
             request.append_token(token_id)
+            if request.constraint is not None:
+                # NOTE: only here, for a freshly sampled token: recomputing after preemption samples nothing.
+                request.constraint.accept_token(token_id)
             self.num_generated_tokens += 1
             logprob = None
             if sampled.logprobs is not None and request.params.logprobs is not None:
@@ -186,4 +193,7 @@ def _sampling_row(request: Request) -> SamplingRow:
         output_token_ids=request.output_token_ids if needs_history else [],
         prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         banned_token_ids=banned,
+        allowed_token_bitmask=(
+            request.constraint.allowed_token_bitmask() if request.constraint is not None else None
+        ),
     )

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     token_id: int
     logprob: float  # log-probability of the chosen token under the model's raw distribution
-    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), most likely first; k = params.logprobs
+    top: list[
+        tuple[int, float]
+    ]  # the k most likely (token_id, logprob), most likely first; k = params.logprobs
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from serval.engine.constraint import TokenConstraint
 from serval.engine.outputs import RequestMetrics
 from serval.sampling import SamplingParams
 
@@ -29,6 +30,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
         arrival_time: float | None = None,
+        constraint: TokenConstraint | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -45,6 +47,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
         self.generator: torch.Generator | None = None
+        # Serving's rule on the next token (a grammar's matcher); advanced once per sampled token, in _update.
+        self.constraint = constraint
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
@@ -79,12 +83,13 @@ class Request:
         """Decide after a new token whether the request is done; sets finish_reason."""
         last = self.token_ids[-1]
         under_min = self.num_output_tokens <= self.params.min_tokens
-        if not under_min and not self.params.ignore_eos and last in self.eos_token_ids:
+        is_eos = not self.params.ignore_eos and last in self.eos_token_ids
+        if not under_min and (is_eos or last in self.stop_token_ids):
             self.finish_reason, self.stop_token_id = "stop", last
-        elif not under_min and last in self.stop_token_ids:
-            self.finish_reason, self.stop_token_id = "stop", last
-        elif self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
-            self.finish_reason = "length"
-        elif self.num_tokens >= max_model_len:
+        elif self.constraint is not None and self.constraint.is_finished:
+            self.finish_reason = "stop"  # the grammar is complete: nothing more may follow
+        elif self.num_tokens >= max_model_len or (
+            self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens
+        ):
             self.finish_reason = "length"
         return self.finish_reason is not None

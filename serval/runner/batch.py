@@ -27,13 +27,19 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
     prompt_token_ids: list[int] = field(default_factory=list)  # with the outputs, for repetition_penalty
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while under min_tokens
+    # The engine fills it from the request's constraint (a grammar): (ceil(V / 32),) int32, bit j of word i
+    # allows token 32 * i + j; None allows every token. Ids past its width (a model vocab wider than the
+    # tokenizer's) are not allowed.
+    allowed_token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
 class Batch:
     token_ids: list[int]  # the new tokens of every sequence, concatenated
     num_new_tokens: list[int]  # per sequence
-    num_computed_tokens: list[int]  # per sequence: tokens already in the KV cache (position of its first new one)
+    num_computed_tokens: list[
+        int
+    ]  # per sequence: tokens already in the KV cache (position of its first new one)
     block_tables: list[list[int]]  # per sequence: its KV blocks in order
     sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
     sampling: list[SamplingRow]  # one per entry of sample_indices

@@ -1,9 +1,10 @@
 """The token sampler: every sampled sequence of a step in one batched pass over (num_rows, vocab) logits.
 
 Order of operations follows vLLM: raw logprobs are taken first (what `logprobs` reports), then penalties,
-bans, temperature, top-k, top-p, min-p, and the draw. The draw is a race of exponentials
-(argmax p_i / E_i with E_i ~ Exp(1) is a sample from p), so a seeded row only needs its own vector of noise
-from its own generator: its tokens don't depend on what else shares the batch.
+bans, the allowed-token masks of constrained rows (grammars), temperature, top-k, top-p, min-p, and the
+draw. The draw is a race of exponentials (argmax p_i / E_i with E_i ~ Exp(1) is a sample from p), so a
+seeded row only needs its own vector of noise from its own generator: its tokens don't depend on what else
+shares the batch.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: (num_rows, vocab_size) float32
-        num_rows, vocab_size = logits.shape
+        vocab_size = logits.shape[1]
         device = logits.device
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         logits = self._apply_penalties(logits, rows)
-        logits = self._apply_bans(logits, rows)
+        logits = _apply_allowed_masks(self._apply_bans(logits, rows), logits, rows)
 
         temperature = torch.tensor([r.temperature for r in rows], device=device)
         is_greedy = temperature == 0.0
@@ -61,7 +62,7 @@ class Sampler:
         has_repetition = any(r.repetition_penalty != 1.0 for r in rows)
         if not (has_additive or has_repetition):
             return logits
-        num_rows, vocab_size = logits.shape
+        vocab_size = logits.shape[1]
         device = logits.device
         # Counts of each vocabulary id among the outputs: (num_rows, vocab_size); padding goes to a spare column.
         output_counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
@@ -92,8 +93,35 @@ class Sampler:
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                # Request generators live on the CPU (the engine makes them, and knows no device): draw
+                # there, so the stream of a seed is the same on every device, then move.
+                noise[i] = torch.empty(vocab_size).exponential_(generator=r.generator).to(device)
         return noise
+
+
+def _apply_allowed_masks(
+    logits: torch.Tensor, unbanned: torch.Tensor, rows: list[SamplingRow]
+) -> torch.Tensor:
+    """-inf outside each constrained row's bitmask. A grammar outranks a ban: where the bans (min_tokens)
+    leave a constrained row no allowed token, the row keeps its grammar's tokens without the bans."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
+    if not constrained:
+        return logits
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    words = torch.stack([rows[i].allowed_token_bitmask for i in constrained]).to(device)  # (k, num_words)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (k, num_words * 32)
+    if bits.shape[1] < vocab_size:  # ids past the tokenizer's vocabulary are never allowed
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    allowed = torch.ones(num_rows, vocab_size, dtype=torch.bool, device=device)
+    index = torch.tensor(constrained, device=device)
+    allowed[index] = bits[:, :vocab_size]
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    dead = torch.isinf(masked).all(dim=-1) & allowed.any(dim=-1)
+    if bool(dead.any()):
+        masked[dead] = unbanned[dead].masked_fill(~allowed[dead], float("-inf"))
+    return masked
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:

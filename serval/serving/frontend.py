@@ -3,7 +3,9 @@
 Owns what the engine does not: the chat template and tokenization, the prompt-length rules (context length,
 MindIE's maxInputTokenLen and maxIterTimes), fanning one request out into n (or best_of) engine requests and
 merging their deltas, stop strings (an engine request is aborted at its stop string), the request deadline,
-and choosing the best n of best_of. The HTTP layer above only validates and frames.
+and choosing the best n of best_of. For chat it also plans the answer's shape (serving/chat.py): tools in the
+prompt, the grammar compiled before submission, one constraint per engine request, and the reasoning and
+tool-call parsers of each choice. The HTTP layer above only validates and frames.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
 from serval.sampling import SamplingParams
-from serval.serving.chat_template import ChatTemplate, ChatTemplateError
+from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
+from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
 from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.output import OutputPlan
+from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
 from serval.serving.stream import ChoiceStream, Completion, Event, Usage, fold
+from serval.serving.structured import GrammarCompiler
+from serval.serving.tool_calls import format_for_template
 
 if TYPE_CHECKING:
     from serval.serving.tokenizer import Tokenizer
@@ -43,15 +50,19 @@ class Frontend:
         chat_template: str | None = None,
         max_input_tokens: int | None = None,
         max_iter_times: int | None = None,
+        tool_call_format: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         source = chat_template or tokenizer.chat_template
+        self.template_source = source
         self.chat_template = (
             ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source is not None else None
         )
         self.max_input_tokens = max_input_tokens
         self.max_iter_times = max_iter_times
+        self.tool_format = format_for_template(source, tool_call_format)
+        self.grammars = GrammarCompiler(tokenizer)  # xgrammar is imported on the first structured request
 
     @property
     def max_model_len(self) -> int:
@@ -70,6 +81,50 @@ class Frontend:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        segments = self._render(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+        return self._encode(segments)
+
+    async def prepare_chat(
+        self,
+        messages: list[dict[str, Any]],
+        options: ChatOptions,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], OutputPlan]:
+        """The prompt ids and the answer's OutputPlan; its grammar is compiled here (a 400 if it can't be)."""
+        messages, tools = prepare_messages(messages, options, self.tool_format, self.template_source)
+        segments = self._render(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+        thinks = template_thinks(self.template_source)
+        starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
+        reasoning = "open" if starts_in_reasoning else ("optional" if thinks else "none")
+        spec = grammar_spec(options, self.tool_format, reasoning)
+        param = "tools" if options.uses_tools else "response_format"
+        grammar = await self.grammars.compile(spec, param) if spec is not None else None
+        budget = options.thinking_budget
+        plan = OutputPlan(
+            parses_reasoning=thinks,
+            starts_in_reasoning=starts_in_reasoning,
+            tool_format=self.tool_format if options.uses_tools else None,
+            tool_names=frozenset(t.name for t in options.tools),
+            grammar=grammar,
+            thinking_budget=budget,
+            think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
+        )
+        return self._encode(segments), plan
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[Segment]:
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template: use /v1/completions or start the server with --chat-template",
@@ -81,6 +136,9 @@ class Frontend:
             )
         except ChatTemplateError as e:
             raise InvalidRequestError(str(e), "messages") from e
+        return segments
+
+    def _encode(self, segments: list[Segment]) -> list[int]:
         token_ids: list[int] = []
         for segment in segments:
             if segment.is_client_text:
@@ -154,13 +212,19 @@ class Frontend:
         return_logprobs: bool = False,
         timeout: float | None = None,
         param: str = "messages",
+        output_plan: OutputPlan | None = None,
     ) -> AsyncIterator[Event]:
         """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
         aborts every engine request still running."""
         sequences = self.plan(prompts, params, param)
-        streams = [ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs) for s in sequences]
+        streams = [
+            ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs, output_plan) for s in sequences
+        ]
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(f"{request_id}-{s.index}", s, queue)) for s in sequences]
+        tasks = [
+            asyncio.create_task(self._pump(f"{request_id}-{s.index}", s, queue, output_plan))
+            for s in sequences
+        ]
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         num_open = len(tasks)
@@ -201,16 +265,25 @@ class Frontend:
         return_logprobs: bool = False,
         timeout: float | None = None,
         param: str = "messages",
+        output_plan: OutputPlan | None = None,
     ) -> Completion:
         """The non-streaming result: the fold of `generate`, keeping the best n of best_of per prompt."""
-        events = self.generate(request_id, prompts, params, return_logprobs, timeout, param)
+        events = self.generate(request_id, prompts, params, return_logprobs, timeout, param, output_plan)
         async with contextlib.aclosing(events):
             return keep_best(await fold(events), params)
 
-    async def _pump(self, engine_request_id: str, sequence: _Sequence, queue: asyncio.Queue) -> None:
+    async def _pump(
+        self, engine_request_id: str, sequence: _Sequence, queue: asyncio.Queue, plan: OutputPlan | None
+    ) -> None:
         # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
+        tokenizer = self.tokenizer
+        constraint = plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None
         outputs = self.engine.generate(
-            engine_request_id, sequence.prompt_token_ids, sequence.params, self.tokenizer.eos_token_ids
+            engine_request_id,
+            sequence.prompt_token_ids,
+            sequence.params,
+            tokenizer.eos_token_ids,
+            constraint=constraint,
         )
         try:
             async for output in outputs:
@@ -238,6 +311,7 @@ class Frontend:
             num_prompt_tokens=sum(len(prompt) for prompt in prompts),
             num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
             num_completion_tokens=sum(stream.num_output_tokens for stream in streams),
+            num_reasoning_tokens=sum(stream.num_reasoning_tokens for stream in streams),
         )
         longest = max(streams, key=lambda stream: stream.num_output_tokens, default=None)
         if longest is not None and longest.metrics is not None:
@@ -247,6 +321,13 @@ class Frontend:
             usage.prefill_time_ms = metrics.prefill_time_ms
             usage.decode_time_ms = list(metrics.decode_time_ms)
         return usage
+
+
+def _tail(segments: list[Segment], continue_final_message: bool) -> str:
+    """The prompt text where the answer begins: after the last client text (from it, when continuing it)."""
+    client = [i for i, segment in enumerate(segments) if segment.is_client_text]
+    start = (client[-1] if continue_final_message else client[-1] + 1) if client else 0
+    return "".join(segment.text for segment in segments[start:])
 
 
 def keep_best(completion: Completion, params: SamplingParams) -> Completion:

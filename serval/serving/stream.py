@@ -1,7 +1,7 @@
 """Stream assembly: engine token deltas -> text events per choice, and the fold of events into one result.
 
-Owns the per-choice parse state (detokenizer, stop matcher, logprob text) and the event types the HTTP layer
-frames. A non-streaming response is `fold` of the very same events, so streamed and non-streamed text cannot
+Owns the per-choice parse state (detokenizer, stop matcher, logprob text, and for chat the reasoning and
+tool-call parsers of serving/output.py) and the event types the HTTP layer frames. A non-streaming response is `fold` of the very same events, so streamed and non-streamed text cannot
 drift apart.
 """
 
@@ -15,6 +15,7 @@ from serval.engine.outputs import RequestMetrics, RequestOutput
 from serval.sampling import SamplingParams
 from serval.serving.detokenizer import IncrementalDetokenizer
 from serval.serving.errors import EngineError
+from serval.serving.output import OutputParser, OutputPlan, ParsedText, ToolCallDelta
 from serval.serving.stop import StopMatcher
 
 
@@ -48,6 +49,8 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" on the choice's last delta
     # Sum of the chosen tokens' logprobs, on the last delta when the engine returned logprobs (best_of).
     cumulative_logprob: float | None = None
+    reasoning_text: str = ""  # new reasoning text (a thinking model's <think> part)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # new tool-call pieces
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Usage:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_completion_tokens: int  # over all sequences generated, best_of ones included
+    num_reasoning_tokens: int = 0  # of those, the tokens of the reasoning (<think> ... </think>)
     # MindIE's timing arrays, of the longest sequence (they share the steps): per generated token the batch
     # size of its step and its queue wait (µs); the prompt's compute time and each decode step's time (ms).
     batch_sizes: list[int] = field(default_factory=list)
@@ -67,7 +71,10 @@ Event = ChoiceDelta | Usage
 
 
 def token_text(tokenizer: TokenText, token_id: int) -> tuple[str, bytes]:
-    raw = tokenizer.token_bytes(token_id)
+    try:
+        raw = tokenizer.token_bytes(token_id)
+    except ValueError:  # an id of a padded model vocabulary, past the tokenizer's: it has no text
+        raw = b""
     return raw.decode("utf-8", errors="replace"), raw
 
 
@@ -75,7 +82,12 @@ class ChoiceStream:
     """One engine request's state: its RequestOutputs in, ChoiceDeltas out."""
 
     def __init__(
-        self, index: int, tokenizer: TokenText, params: SamplingParams, return_logprobs: bool
+        self,
+        index: int,
+        tokenizer: TokenText,
+        params: SamplingParams,
+        return_logprobs: bool,
+        plan: OutputPlan | None = None,
     ) -> None:
         self.index = index
         self.tokenizer = tokenizer
@@ -88,6 +100,11 @@ class ChoiceStream:
         self.cumulative_logprob: float | None = None
         self.metrics: RequestMetrics | None = None
         self.finish_reason: str | None = None
+        self.parser = OutputParser(plan) if plan is not None and not plan.is_plain else None
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.parser.num_reasoning_tokens if self.parser is not None else 0
 
     @property
     def is_finished(self) -> bool:
@@ -121,22 +138,41 @@ class ChoiceStream:
             text += self.stop_matcher.flush()
             self.finish_reason = output.finish_reason or "stop"
         logprobs = self._logprobs(output)
+        parsed = self._parse(text, len(token_ids))
         return ChoiceDelta(
             index=self.index,
-            text=text,
+            text=parsed.content,
             token_ids=token_ids,
             logprobs=logprobs if self.return_logprobs else None,
             finish_reason=self.finish_reason,
             cumulative_logprob=self.cumulative_logprob if self.is_finished else None,
+            reasoning_text=parsed.reasoning,
+            tool_calls=parsed.tool_calls,
         )
 
     def cut_off(self) -> ChoiceDelta:
         """End the choice before the engine did (the request timed out): release held text, reason length."""
         text = self.stop_matcher.feed(self.detokenizer.flush()) + self.stop_matcher.flush()
         self.finish_reason = "length"
+        parsed = self._parse(text, 0)
         return ChoiceDelta(
-            self.index, text, [], [] if self.return_logprobs else None, "length", self.cumulative_logprob
-        )
+            self.index, parsed.content, [], [] if self.return_logprobs else None, "length",
+            self.cumulative_logprob, parsed.reasoning, parsed.tool_calls,
+        )  # fmt: skip
+
+    def _parse(self, text: str, num_tokens: int) -> ParsedText:
+        """Split the visible text into reasoning, content and tool calls (plain content without a parser)."""
+        if self.parser is None:
+            return ParsedText(content=text)
+        parsed = self.parser.feed(text, num_tokens)
+        if self.is_finished:
+            rest = self.parser.finish()
+            parsed.content += rest.content
+            parsed.reasoning += rest.reasoning
+            parsed.tool_calls += rest.tool_calls
+            if self.parser.num_tool_calls and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        return parsed
 
     def _logprobs(self, output: RequestOutput) -> list[LogprobEntry]:
         entries: list[LogprobEntry] = []
@@ -161,6 +197,8 @@ class ChoiceResult:
     logprobs: list[LogprobEntry] | None
     finish_reason: str | None
     cumulative_logprob: float | None
+    reasoning_text: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # one per call, arguments complete
 
 
 @dataclass
@@ -182,6 +220,13 @@ async def fold(events: AsyncIterator[Event]) -> Completion:
             choice = ChoiceResult(event.index, "", [], None, None, None)
             choices[event.index] = choice
         choice.text += event.text
+        choice.reasoning_text += event.reasoning_text
+        for piece in event.tool_calls:
+            if piece.id is not None:
+                choice.tool_calls.append(ToolCallDelta(piece.index, piece.id, piece.name, piece.arguments))
+            else:
+                call = next(c for c in reversed(choice.tool_calls) if c.index == piece.index)
+                call.arguments += piece.arguments
         choice.token_ids.extend(event.token_ids)
         if event.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + event.logprobs

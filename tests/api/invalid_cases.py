@@ -18,6 +18,18 @@ def completion(model: str, **fields) -> dict:
     return {"model": model, "prompt": "Hello", "max_tokens": 4, **fields}
 
 
+def fn(name: str, **function) -> dict:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
 def cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
     """(id, path, body (dict, or bytes sent as is), status, param)."""
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
@@ -84,10 +96,27 @@ def cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
         ("stream-options", CHAT, chat(model, stream=True, stream_options={"include_usage": "x"}), 400,
          "stream_options.include_usage"),
         ("template-kwargs", CHAT, chat(model, chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
-        ("tools", CHAT, chat(model, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-        ("tool-choice", CHAT, chat(model, tool_choice="auto"), 400, "tool_choice"),
+        ("tool-bad-name", CHAT, chat(model, tools=[fn("get weather!")]), 400, "tools[0].function.name"),
+        ("tool-twice", CHAT, chat(model, tools=[fn("f"), fn("f")]), 400, "tools[1].function.name"),
+        ("tool-not-function", CHAT, chat(model, tools=[{"type": "web_search"}]), 400, "tools[0].type"),
+        ("tool-parameters-not-object", CHAT, chat(model, tools=[fn("f", parameters=[1])]), 400,
+         "tools[0].function.parameters"),
+        ("tool-parameters-unenforceable", CHAT, chat(model, tools=[fn("f", parameters={"not": {}})]), 400,
+         "tools[0].function.parameters"),
+        ("tool-choice-required-no-tools", CHAT, chat(model, tool_choice="required"), 400, "tool_choice"),
+        ("tool-choice-unknown-word", CHAT, chat(model, tools=[fn("f")], tool_choice="always"), 400,
+         "tool_choice"),
+        ("tool-choice-unknown-name", CHAT, chat(model, tools=[fn("f")], tool_choice=named("g")), 400,
+         "tool_choice.function.name"),
         ("tool-choice-number", CHAT, chat(model, tool_choice=5), 400, "tool_choice"),
-        ("response-format", CHAT, chat(model, response_format={"type": "json_object"}), 400, "response_format"),
+        ("response-format-type", CHAT, chat(model, response_format={"type": "xml"}), 400, "response_format.type"),
+        ("response-format-no-schema", CHAT, chat(model, response_format={"type": "json_schema",
+                                                                          "json_schema": {"name": "x"}}),
+         400, "response_format.json_schema.schema"),
+        ("response-format-unenforceable", CHAT, chat(model, response_format=schema_format(
+            {"type": "array", "uniqueItems": True})), 400, "response_format.json_schema.schema"),
+        ("response-format-if-then", CHAT, chat(model, response_format=schema_format(
+            {"if": {"type": "string"}, "then": {"minLength": 2}})), 400, "response_format.json_schema.schema"),
         ("beam-search", CHAT, chat(model, use_beam_search=True), 400, "use_beam_search"),
         ("length-penalty", CHAT, chat(model, length_penalty=2.0), 400, "length_penalty"),
         ("enable-search", CHAT, chat(model, enable_search=True), 400, "enable_search"),

@@ -11,10 +11,17 @@ from serval.runner.sampler import Sampler
 
 
 def _row(**kw) -> SamplingRow:
-    base = dict(
-        temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
-        repetition_penalty=1.0, num_logprobs=None, generator=None,
-    )
+    base = {
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "num_logprobs": None,
+        "generator": None,
+    }
     base.update(kw)
     return SamplingRow(**base)
 
@@ -39,18 +46,18 @@ def test_greedy_takes_argmax_regardless_of_other_rows():
 
 def test_top_k_keeps_only_k_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    assert _draw_many(logits, dict(top_k=2)) == {0, 1}
+    assert _draw_many(logits, {"top_k": 2}) == {0, 1}
 
 
 def test_top_p_keeps_the_smallest_head_reaching_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    assert _draw_many(probs.log(), dict(top_p=0.7)) == {0, 1}
-    assert _draw_many(probs.log(), dict(top_p=0.5)) == {0}
+    assert _draw_many(probs.log(), {"top_p": 0.7}) == {0, 1}
+    assert _draw_many(probs.log(), {"top_p": 0.5}) == {0}
 
 
 def test_min_p_drops_tokens_below_fraction_of_the_best():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    assert _draw_many(probs.log(), dict(min_p=0.5)) == {0, 1}
+    assert _draw_many(probs.log(), {"min_p": 0.5}) == {0, 1}
 
 
 def test_penalties_move_logits_as_defined():
@@ -98,3 +105,32 @@ def test_banned_tokens_are_never_drawn():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     out = _sampler()(logits, [_row(temperature=0.0, banned_token_ids=[0])])
     assert out.token_ids[0] != 0
+
+
+def _bitmask(allowed: list[int], num_words: int) -> torch.Tensor:
+    words = [0] * num_words
+    for token_id in allowed:
+        words[token_id // 32] |= 1 << (token_id % 32)
+    # int32 two's complement, as xgrammar lays it out
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_allowed_token_masks_apply_per_row_and_pad_a_wider_vocab():
+    vocab_size = 100  # wider than the 64 ids (2 words) the masks cover
+    logits = torch.randn(1, vocab_size)
+    allowed = [3, 31, 63]
+    mask = _bitmask(allowed, 2)
+    assert _draw_many(logits[0], {"allowed_token_bitmask": mask}) <= set(allowed)
+    assert _draw_many(logits[0], {"allowed_token_bitmask": mask, "temperature": 0.0}) <= set(allowed)
+    # constrained and free rows share one batch
+    out = _sampler()(
+        logits.repeat(2, 1),
+        [_row(temperature=0.0, allowed_token_bitmask=_bitmask([70], 3)), _row(temperature=0.0)],
+    )
+    assert out.token_ids == [70, int(logits.argmax())]
+
+
+def test_a_grammar_outranks_a_ban_that_would_leave_nothing():
+    logits = torch.randn(1, 40)
+    out = _sampler()(logits, [_row(banned_token_ids=[5], allowed_token_bitmask=_bitmask([5], 2))])
+    assert out.token_ids == [5]

@@ -58,7 +58,7 @@ class FakeEngine:
         self.finished: list[str] = []
         self.is_queue_full = False
 
-    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids=()):
+    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids=(), constraint=None):
         import asyncio
         import math
 

@@ -1,0 +1,126 @@
+"""OutputPlan: what a chat answer's text holds besides plain content, and how its tokens are constrained.
+
+Owns the per-request decision (made once, before submission, by serving/chat.py) and its two per-choice
+products: the TokenConstraint handed to the engine (a grammar's matcher, wrapped in a thinking budget when
+one is set) and the `OutputParser` that splits the choice's text into reasoning, content and tool-call
+deltas as it streams.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkingBudget
+from serval.serving.tool_calls import ContentText, ToolCallArguments, ToolCallFormat, ToolCallStart
+
+if TYPE_CHECKING:
+    from serval.engine.constraint import TokenConstraint
+    from serval.serving.structured import Grammar
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    parses_reasoning: bool = False  # split <think> reasoning out of the text (a thinking chat template)
+    starts_in_reasoning: bool = False  # the prompt ended inside <think>
+    tool_format: ToolCallFormat | None = (
+        None  # parse tool calls in this format (tools offered, choice not none)
+    )
+    tool_names: frozenset[str] = frozenset()
+    grammar: Grammar | None = None  # the compiled grammar every choice's tokens must follow
+    thinking_budget: int | None = None  # reasoning tokens allowed before the end tag is forced
+    think_end_token_ids: tuple[int, ...] = ()  # the tokens forced when the budget runs out
+
+    @property
+    def is_plain(self) -> bool:
+        return not (self.parses_reasoning or self.tool_format or self.grammar or self.thinking_budget)
+
+    def new_constraint(self, token_bytes: Callable[[int], bytes], vocab_size: int) -> TokenConstraint | None:
+        """A fresh constraint for one engine request (each choice has its own matcher state)."""
+        inner = self.grammar.new_constraint() if self.grammar is not None else None
+        if self.thinking_budget is None:
+            return inner
+        return ThinkingBudget(
+            self.thinking_budget,
+            list(self.think_end_token_ids),
+            token_bytes,
+            vocab_size,
+            self.starts_in_reasoning,
+            inner,
+        )
+
+
+@dataclass
+class ToolCallDelta:
+    index: int  # the call's position in the message
+    id: str | None = None  # on the call's first delta only
+    name: str | None = None  # on the call's first delta only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+@dataclass
+class ParsedText:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def new_tool_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+class OutputParser:
+    """One choice's text -> reasoning, content and tool-call deltas; counts the reasoning tokens."""
+
+    def __init__(self, plan: OutputPlan) -> None:
+        self.counter = ReasoningTokenCounter(plan.starts_in_reasoning) if plan.parses_reasoning else None
+        self.tools = plan.tool_format.parser(plan.tool_names) if plan.tool_format is not None else None
+        self.num_tool_calls = 0
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.counter.num_reasoning_tokens if self.counter is not None else 0
+
+    def feed(self, text: str, num_tokens: int) -> ParsedText:
+        result = ParsedText()
+        if self.counter is None:
+            self._answer(text, result, final=False)
+            return result
+        for event in self.counter.feed(text, num_tokens):
+            if isinstance(event, ReasoningText):
+                result.reasoning += event.text
+            elif isinstance(event, AnswerText):
+                self._answer(event.text, result, final=False)
+        return result
+
+    def finish(self) -> ParsedText:
+        result = ParsedText()
+        for event in self.counter.finish() if self.counter is not None else []:
+            if isinstance(event, ReasoningText):
+                result.reasoning += event.text
+            else:
+                self._answer(event.text, result, final=False)
+        self._answer("", result, final=True)
+        return result
+
+    def _answer(self, text: str, result: ParsedText, final: bool) -> None:
+        if self.tools is None:
+            result.content += text
+            return
+        events = self.tools.feed(text) if text else []
+        if final:
+            events += self.tools.finish()
+        for event in events:
+            if isinstance(event, ContentText):
+                result.content += event.text
+            elif isinstance(event, ToolCallStart):
+                self.num_tool_calls += 1
+                result.tool_calls.append(ToolCallDelta(event.index, new_tool_call_id(), event.name))
+            elif isinstance(event, ToolCallArguments):
+                last = result.tool_calls[-1] if result.tool_calls else None
+                if last is not None and last.index == event.index:
+                    last.arguments += event.text
+                else:
+                    result.tool_calls.append(ToolCallDelta(event.index, arguments=event.text))

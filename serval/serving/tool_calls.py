@@ -1,0 +1,415 @@
+"""Tool calls: the tool-call text formats models are trained on, as grammars and as incremental parsers.
+
+Owns a small registry of formats (`FORMATS`, chosen per model by `format_for_template`, default Hermes). A
+format knows three things: the grammar (an xgrammar structural tag) that makes the model write well-formed
+calls whose arguments validate against each tool's JSON Schema; the incremental parser that turns the text
+back into calls; and the system prompt that shows the tools to a model whose chat template ignores `tools`.
+
+Peers parse tool calls out of free text with regexes and hope; here the sampler is constrained, so a call that
+reaches the parser is well formed by construction. The parsers stay lenient anyway (whitespace, key order):
+a generation cut off by max_tokens, or one continued from a client's prefix, is not grammar-made.
+
+Parsers follow the streaming rule: `feed(text) -> events`, `finish() -> events`; whatever the split of the
+text, the events merge to the one-shot parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from serval.serving.structured import MAX_WHITESPACE
+
+ToolChoiceMode = Literal["none", "auto", "required", "function"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]  # JSON Schema of the arguments object
+    description: str | None = None
+    strict: bool = False
+
+    def as_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: ToolChoiceMode
+    name: str | None = None  # the function forced when mode is "function"
+
+
+# ---- parser events
+
+
+@dataclass
+class ContentText:
+    text: str
+
+
+@dataclass
+class ToolCallStart:
+    index: int  # position of the call in the message, from 0
+    name: str
+
+
+@dataclass
+class ToolCallArguments:
+    index: int
+    text: str  # the next piece of the arguments' JSON text
+
+
+ToolEvent = ContentText | ToolCallStart | ToolCallArguments
+
+
+def merge_events(events: list[ToolEvent]) -> list[ToolEvent]:
+    """Adjacent pieces of the same kind joined: the canonical form two parses are compared in."""
+    merged: list[ToolEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, ContentText) and isinstance(last, ContentText):
+            last.text += event.text
+        elif isinstance(event, ToolCallArguments) and isinstance(last, ToolCallArguments):
+            if last.index == event.index:
+                last.text += event.text
+                continue
+            merged.append(ToolCallArguments(event.index, event.text))
+        elif isinstance(event, ContentText):
+            if event.text:
+                merged.append(ContentText(event.text))
+        else:
+            merged.append(type(event)(**vars(event)))
+    return merged
+
+
+# ---- JSON scanning
+
+
+@dataclass
+class _JsonScanner:
+    """Finds where a JSON value ends in text that arrives in pieces (strings and nesting tracked)."""
+
+    depth: int = 0
+    in_string: bool = False
+    is_escaped: bool = False
+    has_started: bool = False
+
+    def scan(self, text: str) -> int | None:
+        """Feed text; return the offset just past the value's end if it ends in it, else None. A bare
+        scalar ends before the first character that cannot continue it (`,`, `}`, `]`, whitespace)."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.is_escaped:
+                    self.is_escaped = False
+                elif char == "\\":
+                    self.is_escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+                continue
+            if not self.has_started:
+                if char.isspace():
+                    continue
+                self.has_started = True
+            if char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                if self.depth == 0:
+                    return i
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            elif self.depth == 0 and (char in "," or char.isspace()):
+                return i
+        return None
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of marker (it may yet become marker)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+# ---- the parser of JSON-object calls (Hermes, Llama 3)
+
+_NAME_HEADER = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+MAX_HEADER_CHARS = 4096  # a would-be call whose name has not shown up by then is text
+
+
+class JsonCallParser:
+    """Calls of the form OPEN {"name": NAME, "arguments": ARGS} CLOSE.
+
+    With an `open` marker ("<tool_call>") calls may appear anywhere in the text; without one (Llama 3 writes
+    bare JSON) a message that starts with `{` is calls, separated by `;`, and anything else is text. Text
+    that is only whitespace between or after calls is dropped."""
+
+    def __init__(self, open: str, close: str) -> None:
+        self.open = open
+        self.close = close
+        self.header = re.compile(re.escape(open) + _NAME_HEADER)
+        self.close_pattern = re.compile(r"\s*\}" + (r"\s*" + re.escape(close) if close else ""))
+        self.state = "text" if open else "start"
+        self.buffer = ""
+        self.num_calls = 0
+        self.scanner = _JsonScanner()
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        self.buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> list[ToolEvent]:
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        while getattr(self, f"_on_{self.state}")(events, final):
+            pass
+        return events
+
+    # Each handler consumes what it can of the buffer; True when the state changed and there may be more to
+    # do, False when it needs more text (or, when final, has consumed everything).
+
+    def _on_start(self, events: list[ToolEvent], final: bool) -> bool:
+        stripped = self.buffer.lstrip()
+        if not stripped and not final:
+            return False
+        self.state = "header" if stripped.startswith("{") else "text"
+        return True
+
+    def _on_text(self, events: list[ToolEvent], final: bool) -> bool:
+        buffer = self.buffer
+        index = buffer.find(self.open) if self.open else -1
+        if index != -1:
+            cut = index
+        else:
+            cut = len(buffer) - (0 if final or not self.open else _held_prefix(buffer, self.open))
+        piece = buffer[:cut]
+        if self.num_calls and not piece.strip():
+            if index == -1 and not final:
+                return False  # whitespace after a call: shown only if text follows it
+            piece = ""
+        if piece:
+            events.append(ContentText(piece))
+        self.buffer = buffer[cut:]
+        if index == -1:
+            return False
+        self.state = "header"
+        return True
+
+    def _on_header(self, events: list[ToolEvent], final: bool) -> bool:
+        match = self.header.match(self.buffer)
+        if match is not None:
+            events.append(ToolCallStart(self.num_calls, json.loads(f'"{match.group(1)}"')))
+            self.num_calls += 1
+            self.buffer = self.buffer[match.end() :]
+            self.scanner = _JsonScanner()
+            self.state = "args"
+            return True
+        close_at = self.buffer.find(self.close) if self.close else -1
+        if not (final or close_at != -1 or len(self.buffer) > MAX_HEADER_CHARS):
+            return False
+        # Not a call after all: its text is content (up to its close marker, if it has one).
+        cut = len(self.buffer) if close_at == -1 else close_at + len(self.close)
+        events.append(ContentText(self.buffer[:cut]))
+        self.buffer = self.buffer[cut:]
+        self.state = "text" if self.open or self.num_calls == 0 else "plain"
+        return True
+
+    def _on_args(self, events: list[ToolEvent], final: bool) -> bool:
+        end = self.scanner.scan(self.buffer)
+        piece = self.buffer if end is None else self.buffer[:end]
+        if piece:
+            events.append(ToolCallArguments(self.num_calls - 1, piece))
+        self.buffer = "" if end is None else self.buffer[end:]
+        if end is None:
+            return False
+        self.state = "close"
+        return True
+
+    def _on_close(self, events: list[ToolEvent], final: bool) -> bool:
+        match = self.close_pattern.match(self.buffer)
+        if match is None:
+            if final:
+                self.buffer = ""  # a call cut off before its close: the close is all that is missing
+            return False
+        self.buffer = self.buffer[match.end() :]
+        self.state = "text" if self.open else "separator"
+        return True
+
+    def _on_separator(self, events: list[ToolEvent], final: bool) -> bool:
+        stripped = self.buffer.lstrip()
+        if not stripped:
+            if final:
+                self.buffer = ""
+            return False
+        if stripped.startswith(";"):
+            self.buffer, self.state = stripped[1:], "start"
+        elif stripped.startswith("{"):
+            self.buffer, self.state = stripped, "header"
+        else:
+            self.state = "plain"
+        return True
+
+    def _on_plain(self, events: list[ToolEvent], final: bool) -> bool:
+        if self.buffer:
+            events.append(ContentText(self.buffer))
+            self.buffer = ""
+        return False
+
+
+class NameLineCallParser:
+    """GLM-4 / ChatGLM: a call is the whole message, the function's name on the first line and its
+    arguments (a JSON object) after it. A first line that names no tool makes the message plain text."""
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        self.tool_names = tool_names
+        self.state = "start"
+        self.buffer = ""
+        self.scanner = _JsonScanner()
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return self._advance(text, final=False)
+
+    def finish(self) -> list[ToolEvent]:
+        return self._advance("", final=True)
+
+    def _advance(self, text: str, final: bool) -> list[ToolEvent]:
+        self.buffer += text
+        events: list[ToolEvent] = []
+        if self.state == "start":
+            newline = self.buffer.find("\n")
+            if newline == -1 and not final:
+                return events
+            line = self.buffer if newline == -1 else self.buffer[:newline]
+            if newline != -1 and line.strip() in self.tool_names:
+                events.append(ToolCallStart(0, line.strip()))
+                self.buffer, self.state = self.buffer[newline + 1 :], "args"
+            else:
+                self.state = "text"
+        if self.state == "args" and not self.scanner.has_started:
+            self.buffer = self.buffer.lstrip()
+        if self.state == "args" and self.buffer:
+            end = self.scanner.scan(self.buffer)
+            events.append(ToolCallArguments(0, self.buffer if end is None else self.buffer[:end]))
+            self.buffer = "" if end is None else self.buffer[end:]
+            if end is not None:
+                self.state = "after"
+        if self.state == "text" and self.buffer:
+            events.append(ContentText(self.buffer))
+            self.buffer = ""
+        if self.state == "after":
+            self.buffer = ""  # nothing may follow the call
+        return events
+
+
+# ---- the formats
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How one family of models writes tool calls."""
+
+    name: str
+    trigger: str  # the text that opens a call in free text ("" when calls must be the whole message)
+    separator: str  # between parallel calls
+    call_begin: str  # before the arguments; {name} is the function's name (JSON-escaped)
+    call_end: str  # after the arguments
+    instructions: str  # the fallback system prompt; {tools} is the tools, one JSON object a line
+    markers: tuple[str, ...] = field(default=())  # texts in a chat template that say it uses this format
+    is_single_call: bool = False  # the call is the whole message: never parallel calls
+
+    def parser(self, tool_names: frozenset[str]) -> JsonCallParser | NameLineCallParser:
+        if self.is_single_call:
+            return NameLineCallParser(tool_names)
+        return JsonCallParser(self.trigger, self.call_end.replace("}", "", 1).strip())
+
+    def structural_tag(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[str, Any]:
+        """The xgrammar format that admits exactly the calls `choice` allows (schema-valid arguments)."""
+        offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+        parallel = parallel and not self.is_single_call
+        tags = [
+            {
+                "type": "tag",
+                "begin": self.call_begin.replace("{name}", json.dumps(t.name)[1:-1]),
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": t.parameters or {"type": "object"},
+                    "max_whitespace_cnt": MAX_WHITESPACE,
+                },
+                "end": self.call_end,
+            }
+            for t in offered
+        ]
+        if choice.mode in ("required", "function"):
+            return {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": self.separator,
+                "at_least_one": True,
+                "stop_after_first": not parallel,
+            }
+        if self.trigger:
+            return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
+                    "stop_after_first": not parallel}  # fmt: skip
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator,
+                 "at_least_one": True, "stop_after_first": not parallel}  # fmt: skip
+        return {"type": "or", "elements": [calls, {"type": "any_text"}]}
+
+    def system_prompt(self, tools: list[Tool]) -> str:
+        return self.instructions.replace("{tools}", "\n".join(json.dumps(t.as_openai()) for t in tools))
+
+
+_HERMES_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions are listed in "
+    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, reply with a JSON object with the "
+    "function name and its arguments inside <tool_call></tool_call> tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+_LLAMA3_PROMPT = (
+    "You have access to the following functions:\n{tools}\n\nTo call a function, reply with only a JSON "
+    'object of the form {"name": <function-name>, "parameters": <args-json-object>}. Separate several '
+    "calls with '; '."
+)
+_GLM_PROMPT = (
+    "You have access to the following tools:\n{tools}\n\nTo call a tool, reply with its name on the first "
+    "line and its arguments as a JSON object on the next."
+)
+
+FORMATS: MappingProxyType[str, ToolCallFormat] = MappingProxyType({
+    "hermes": ToolCallFormat(
+        "hermes", "<tool_call>", "\n", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>",
+        _HERMES_PROMPT, ("<tool_call>",),
+    ),
+    "llama3_json": ToolCallFormat(
+        "llama3_json", "", "; ", '{"name": "{name}", "parameters": ', "}", _LLAMA3_PROMPT,
+        ("<|python_tag|>", "ipython"),
+    ),
+    "glm": ToolCallFormat(
+        "glm", "", "\n", "{name}\n", "", _GLM_PROMPT, ("<|observation|>",), is_single_call=True
+    ),
+})  # fmt: skip
+DEFAULT_FORMAT = "hermes"
+
+
+def format_for_template(template_source: str | None, name: str | None = None) -> ToolCallFormat:
+    """The format named, else the one whose markers the chat template contains, else Hermes."""
+    if name is not None:
+        if name not in FORMATS:
+            raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(sorted(FORMATS))}")
+        return FORMATS[name]
+    for candidate in FORMATS.values():
+        if template_source and any(marker in template_source for marker in candidate.markers):
+            return candidate
+    return FORMATS[DEFAULT_FORMAT]
