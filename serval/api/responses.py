@@ -82,7 +82,8 @@ def chat_message(choice: ChoiceResult, prefix: str = "") -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if choice.reasoning_text:
         message["reasoning_content"] = choice.reasoning_text
-    message["tool_calls"] = [tool_call_body(call) for call in choice.tool_calls]
+    # null, not [], when there are none: the spec's examples show null, and clients test `is not None`.
+    message["tool_calls"] = [tool_call_body(call) for call in choice.tool_calls] or None
     return message
 
 

@@ -33,7 +33,7 @@ def test_chat_completion_shape(client):
     [choice] = data["choices"]
     assert choice == {
         "index": 0,
-        "message": {"role": "assistant", "content": TEXT, "tool_calls": []},
+        "message": {"role": "assistant", "content": TEXT, "tool_calls": None},
         "logprobs": None,
         "finish_reason": "stop",
     }

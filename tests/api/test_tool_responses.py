@@ -103,7 +103,7 @@ def test_tool_choice_none_leaves_the_text_alone(make_client):
     client = make_client([CALLS_TEXT])
     data = chat(client, tools=TOOLS, tool_choice="none", max_tokens=300)
     assert data["choices"][0]["message"]["content"] == CALLS_TEXT
-    assert data["choices"][0]["message"]["tool_calls"] == []
+    assert data["choices"][0]["message"]["tool_calls"] is None
     assert data["choices"][0]["finish_reason"] == "stop"
 
 
