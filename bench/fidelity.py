@@ -1,0 +1,73 @@
+"""Greedy agreement of the bf16 path with fp32 on the engine test prompts: how many leading tokens match.
+
+.venv/bin/python bench/fidelity.py --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from serval import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about autumn leaves.",
+    "def fibonacci(n):",
+    "List three primary colors:",
+    "Once upon a time, in a faraway kingdom,",
+    "The quick brown fox",
+    "Translate to French: good morning",
+    "What is 12 times 12?",
+    "Explain photosynthesis in one sentence.",
+    "import numpy as np\n",
+    "The best way to learn a language is",
+    "Q: Why is the sky blue?\nA:",
+    "Dear diary, today",
+    "SELECT * FROM",
+    "In 1492, Columbus",
+    "Hello! My name is",
+]
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", help="the path compared with float32")
+    args = parser.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    reference = [o.outputs[0].token_ids for o in LLM(args.model, dtype="float32").generate(PROMPTS, params)]
+    other = [o.outputs[0].token_ids for o in LLM(args.model, dtype=args.dtype).generate(PROMPTS, params)]
+    for prompt, ref, got in zip(PROMPTS, reference, other):
+        n = leading_agreement(ref, got)
+        print(
+            json.dumps(
+                {"prompt": prompt, "fp32_tokens": len(ref), "agreeing_tokens": n, "identical": ref == got}
+            ),
+            flush=True,
+        )
+    identical = sum(ref == got for ref, got in zip(reference, other))
+    print(
+        json.dumps(
+            {
+                "summary": f"{identical}/{len(PROMPTS)} prompts identical for {args.max_tokens} tokens",
+                "dtype": args.dtype,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
