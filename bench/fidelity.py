@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 
 from serval import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about autumn leaves.",
-    "def fibonacci(n):",
-    "List three primary colors:",
-    "Once upon a time, in a faraway kingdom,",
-    "The quick brown fox",
-    "Translate to French: good morning",
-    "What is 12 times 12?",
-    "Explain photosynthesis in one sentence.",
-    "import numpy as np\n",
-    "The best way to learn a language is",
-    "Q: Why is the sky blue?\nA:",
-    "Dear diary, today",
-    "SELECT * FROM",
-    "In 1492, Columbus",
-    "Hello! My name is",
-]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # for the shared prompts
+from tests.fixtures.prompts import PROMPTS
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:

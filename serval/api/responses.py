@@ -87,6 +87,14 @@ def chat_message(choice: ChoiceResult, prefix: str = "") -> dict[str, Any]:
     return message
 
 
+def envelope(
+    object_name: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """The fields every response and chunk starts with, in the spec's order."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": choices,
+            **extra}  # fmt: skip
+
+
 def chat_completion(
     request_id: str, created: int, model: str, completion: Completion, prefix: str = ""
 ) -> dict[str, Any]:
@@ -99,28 +107,16 @@ def chat_completion(
         }
         for choice in completion.choices
     ]
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body(completion.usage),
-        **timing_fields(completion.usage),
-    }
+    return envelope(
+        "chat.completion", request_id, created, model, choices,
+        usage=usage_body(completion.usage), **timing_fields(completion.usage),
+    )  # fmt: skip
 
 
 def chat_chunk(
     request_id: str, created: int, model: str, choices: list[dict[str, Any]], **extra: Any
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        **extra,
-    }
+    return envelope("chat.completion.chunk", request_id, created, model, choices, **extra)
 
 
 def chat_chunk_choice(
@@ -169,25 +165,13 @@ def text_completion(
         completion_choice(choice, echoes[choice.index // num_per_prompt] if echoes else "")
         for choice in completion.choices
     ]
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body(completion.usage),
-        **timing_fields(completion.usage),
-    }
+    return envelope(
+        "text_completion", request_id, created, model, choices,
+        usage=usage_body(completion.usage), **timing_fields(completion.usage),
+    )  # fmt: skip
 
 
 def completion_chunk(
     request_id: str, created: int, model: str, choices: list[dict[str, Any]], **extra: Any
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        **extra,
-    }
+    return envelope("text_completion", request_id, created, model, choices, **extra)
