@@ -19,6 +19,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import ServerConfig, read_mindie_config
 from serval.serving.chat_template import ChatTemplate
+from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -62,6 +63,11 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-request-body-bytes", type=byte_size, help="largest request body (default 4MiB)")
     p.add_argument("--full-text-enabled", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chat-template", help="a Jinja chat template file (or the template itself)")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["auto", *TOOL_CALL_FORMATS],
+        help="the tool-call format (default auto: from the chat template, else hermes)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -125,6 +131,8 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
             raise ValueError(f"chat template file not found: {template}")
         ChatTemplate(template)  # a template that does not compile fails now, not at the first request
     fields["chat_template"] = template
+    parser = options.get("tool_call_parser", "auto")
+    fields["tool_call_parser"] = None if parser == "auto" else parser
     return ServerConfig(**fields)
 
 
@@ -145,7 +153,12 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
         sys.exit(f"serval: error: cannot load the model {source.path}: {e}")
     try:
         frontend = Frontend(
-            client, tokenizer, server.chat_template, server.max_input_tokens, server.max_iter_times
+            client,
+            tokenizer,
+            server.chat_template,
+            server.max_input_tokens,
+            server.max_iter_times,
+            tool_call_format=server.tool_call_parser,
         )
         app = build_app(server, frontend)
         scheme = "https" if server.ssl_certfile else "http"

@@ -39,6 +39,9 @@ class ServerConfig:
     full_text_enabled: bool = False
     # A Jinja chat template that replaces the model's own.
     chat_template: str | None = None
+    # The tool-call format (serving/tool_calls.py FORMATS); None: chosen from the chat template (vLLM's
+    # --tool-call-parser auto).
+    tool_call_parser: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:

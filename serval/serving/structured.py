@@ -4,8 +4,8 @@ Owns the grammar backend. It is xgrammar: maintained (by the MLC team; vLLM, SGL
 it), it compiles JSON Schema, EBNF, regexes and "structural tags" (free text in which a trigger such as
 `<tool_call>` opens a region checked against a schema) into a pushdown automaton whose per-token masks are
 mostly precomputed, so the mask for one step costs microseconds on the CPU. Outlines (regex automata) cannot
-mix free text with checked regions; llguidance would do, but xgrammar's structural tags fit tool calling and
-reasoning directly.
+mix free text with checked regions. llguidance can, and compiles 7-50x faster, but its masks cost 3-10x more
+per step (bench/grammar_engines.py; docs/structured-output.md says why the step cost decides).
 
 What must hold:
 - Compiling happens here, before the request is submitted, in a worker thread with a time limit: a schema too

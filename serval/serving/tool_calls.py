@@ -15,6 +15,7 @@ text, the events merge to the one-shot parse.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -152,12 +153,13 @@ class JsonCallParser:
     """Calls of the form OPEN {"name": NAME, "arguments": ARGS} CLOSE.
 
     With an `open` marker ("<tool_call>") calls may appear anywhere in the text; without one (Llama 3 writes
-    bare JSON) a message that starts with `{` is calls, separated by `;`, and anything else is text. Text
-    that is only whitespace between or after calls is dropped."""
+    bare JSON) a message that starts with `{` (after `lead`, if it has one) is calls, separated by `;`, and
+    anything else is text. Text that is only whitespace between or after calls is dropped."""
 
-    def __init__(self, open: str, close: str) -> None:
+    def __init__(self, open: str, close: str, lead: str = "") -> None:
         self.open = open
         self.close = close
+        self.lead = lead  # a marker that may precede bare calls (Llama 3's <|python_tag|>): dropped
         self.header = re.compile(re.escape(open) + _NAME_HEADER)
         self.close_pattern = re.compile(r"\s*\}" + (r"\s*" + re.escape(close) if close else ""))
         self.state = "text" if open else "start"
@@ -183,8 +185,11 @@ class JsonCallParser:
 
     def _on_start(self, events: list[ToolEvent], final: bool) -> bool:
         stripped = self.buffer.lstrip()
-        if not stripped and not final:
-            return False
+        if self.lead and stripped.startswith(self.lead):
+            self.buffer = stripped[len(self.lead) :]
+            return True
+        if (not stripped or self.lead.startswith(stripped)) and not final:
+            return False  # nothing yet, or what may still become the lead
         self.state = "header" if stripped.startswith("{") else "text"
         return True
 
@@ -271,12 +276,18 @@ class JsonCallParser:
 
 class NameLineCallParser:
     """GLM-4 / ChatGLM: a call is the whole message, the function's name on the first line and its
-    arguments (a JSON object) after it. A first line that names no tool makes the message plain text."""
+    arguments (a JSON object) after it. A first line that names no tool makes the message plain text.
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
+    With `accepts_python_call` (ChatGLM3) the arguments may instead be a ```python block holding
+    `tool_call(key=value, ...)`: it is read whole (a Python call cannot be checked piece by piece) and its
+    arguments are given as one JSON piece; a block that is not such a call makes the message plain text."""
+
+    def __init__(self, tool_names: frozenset[str], accepts_python_call: bool = False) -> None:
         self.tool_names = tool_names
+        self.accepts_python_call = accepts_python_call
         self.state = "start"
         self.buffer = ""
+        self.name_line = ""  # the first line, kept in case a python block turns out not to be a call
         self.scanner = _JsonScanner()
 
     def feed(self, text: str) -> list[ToolEvent]:
@@ -294,10 +305,21 @@ class NameLineCallParser:
                 return events
             line = self.buffer if newline == -1 else self.buffer[:newline]
             if newline != -1 and line.strip() in self.tool_names:
-                events.append(ToolCallStart(0, line.strip()))
-                self.buffer, self.state = self.buffer[newline + 1 :], "args"
+                self.name_line = self.buffer[: newline + 1]
+                self.buffer, self.state = self.buffer[newline + 1 :], "body"
             else:
                 self.state = "text"
+        if self.state == "body":
+            # What the arguments are written as decides when the call starts: JSON streams at once, a python
+            # block only once it is whole and known to be a call.
+            stripped = self.buffer.lstrip()
+            if self.accepts_python_call and stripped.startswith("`"):
+                self.buffer, self.state = stripped, "python"
+            elif stripped or final:
+                events.append(ToolCallStart(0, self.name_line.strip()))
+                self.state = "args"
+        if self.state == "python":
+            self._on_python(events, final)
         if self.state == "args" and not self.scanner.has_started:
             self.buffer = self.buffer.lstrip()
         if self.state == "args" and self.buffer:
@@ -312,6 +334,34 @@ class NameLineCallParser:
         if self.state == "after":
             self.buffer = ""  # nothing may follow the call
         return events
+
+    def _on_python(self, events: list[ToolEvent], final: bool) -> None:
+        body_at = self.buffer.find("\n")  # the block's code starts after its ```python line
+        fence_at = self.buffer.find("```", body_at + 1) if body_at != -1 else -1
+        if fence_at == -1 and not final:
+            return
+        code = "" if body_at == -1 else self.buffer[body_at + 1 : fence_at if fence_at != -1 else None]
+        arguments = _python_call_arguments(code)
+        if arguments is None:
+            self.buffer, self.state = self.name_line + self.buffer, "text"
+            return
+        events += [ToolCallStart(0, self.name_line.strip()), ToolCallArguments(0, arguments)]
+        self.buffer, self.state = "", "after"
+
+
+def _python_call_arguments(code: str) -> str | None:
+    """`tool_call(a=1, b="x")` -> '{"a": 1, "b": "x"}'; None if code is not such a call of literals."""
+    try:
+        call = ast.parse(code.strip(), mode="eval").body
+        if not (
+            isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"
+        ):
+            return None
+        if call.args or any(k.arg is None for k in call.keywords):
+            return None
+        return json.dumps({k.arg: ast.literal_eval(k.value) for k in call.keywords}, ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None
 
 
 # ---- the formats
@@ -329,11 +379,15 @@ class ToolCallFormat:
     instructions: str  # the fallback system prompt; {tools} is the tools, one JSON object a line
     markers: tuple[str, ...] = field(default=())  # texts in a chat template that say it uses this format
     is_single_call: bool = False  # the call is the whole message: never parallel calls
+    lead: str = ""  # a marker the model may write before bare calls (Llama 3's <|python_tag|>)
+    # NOTE: ChatGLM3 writes its arguments as a ```python block of `tool_call(key=value)`; the parser reads
+    # that, but the grammar (call_begin/call_end) makes the GLM-4 JSON form: a schema is checkable as JSON.
+    accepts_python_call: bool = False
 
     def parser(self, tool_names: frozenset[str]) -> JsonCallParser | NameLineCallParser:
         if self.is_single_call:
-            return NameLineCallParser(tool_names)
-        return JsonCallParser(self.trigger, self.call_end.replace("}", "", 1).strip())
+            return NameLineCallParser(tool_names, self.accepts_python_call)
+        return JsonCallParser(self.trigger, self.call_end.replace("}", "", 1).strip(), self.lead)
 
     def structural_tag(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[str, Any]:
         """The xgrammar format that admits exactly the calls `choice` allows (schema-valid arguments)."""
@@ -394,7 +448,13 @@ FORMATS: MappingProxyType[str, ToolCallFormat] = MappingProxyType({
     ),
     "llama3_json": ToolCallFormat(
         "llama3_json", "", "; ", '{"name": "{name}", "parameters": ', "}", _LLAMA3_PROMPT,
-        ("<|python_tag|>", "ipython"),
+        ("<|python_tag|>", "ipython"), lead="<|python_tag|>",
+    ),
+    # Before "glm": ChatGLM3's template also has <|observation|>; its "[gMASK]sop" (GLM-4: "[gMASK]<sop>")
+    # tells them apart.
+    "chatglm3": ToolCallFormat(
+        "chatglm3", "", "\n", "{name}\n", "", _GLM_PROMPT, ("[gMASK]sop",), is_single_call=True,
+        accepts_python_call=True,
     ),
     "glm": ToolCallFormat(
         "glm", "", "\n", "{name}\n", "", _GLM_PROMPT, ("<|observation|>",), is_single_call=True

@@ -139,3 +139,15 @@ def test_chat_template_option(tmp_path):
         server_config({"chat_template": str(tmp_path / "missing.jinja")}, "m")
     with pytest.raises(ValueError, match="does not compile"):
         server_config({"chat_template": "{% for %}"}, "m")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], None), (["--tool-call-parser", "auto"], None),
+                                                (["--tool-call-parser", "llama3_json"], "llama3_json")])  # fmt: skip
+def test_tool_call_parser_flag_reaches_the_server_config(argv, expected):
+    options = merged_options(build_parser().parse_args(["serve", *argv]))
+    assert server_config(options, "m").tool_call_parser == expected
+
+
+def test_unknown_tool_call_parser_is_refused():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])

@@ -60,11 +60,33 @@ TOOL_FIXTURES = {
         ("Hello {not json", [C("Hello {not json")]),
         ('  {"foo": 1}', [C('  {"foo": 1}')]),
         ('{"name": "f", "parameters": {}}\nThat is all.', [S(0, "f"), A(0, "{}"), C("\nThat is all.")]),
+        ('<|python_tag|>{"name": "f", "parameters": {"x": 1}}', [S(0, "f"), A(0, '{"x": 1}')]),
+        (
+            '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": 2}}',
+            [S(0, "f"), A(0, "{}"), S(1, "g"), A(1, '{"y": 2}')],
+        ),
+        ("<|python_tag|>print(1)", [C("print(1)")]),
+        ("<|python", [C("<|python")]),
     ],
     "glm": [
         ('get_weather\n{"city": "Beijing"}', [S(0, "get_weather"), A(0, '{"city": "Beijing"}')]),
         ("Hello there\nsecond line", [C("Hello there\nsecond line")]),
         ("get_weather", [C("get_weather")]),
+    ],
+    "chatglm3": [
+        (
+            'get_weather\n ```python\ntool_call(city="Beijing", days=3, metric=True, extra=None)\n```',
+            [S(0, "get_weather"), A(0, '{"city": "Beijing", "days": 3, "metric": true, "extra": null}')],
+        ),
+        (
+            "f\n```python\ntool_call(tags=['a', 'ü'], nested={'k': (1, 2)})\n```\n",
+            [S(0, "f"), A(0, '{"tags": ["a", "ü"], "nested": {"k": [1, 2]}}')],
+        ),
+        ('get_weather\n{"city": "Beijing"}', [S(0, "get_weather"), A(0, '{"city": "Beijing"}')]),
+        ("f\n```python\nprint('hi')\n```", [C("f\n```python\nprint('hi')\n```")]),
+        ("f\n```python\ntool_call(x=len('a'))\n```", [C("f\n```python\ntool_call(x=len('a'))\n```")]),
+        ("f\n```python\ntool_call(x=1", [C("f\n```python\ntool_call(x=1")]),
+        ("Hello there\nsecond line", [C("Hello there\nsecond line")]),
     ],
 }
 
@@ -102,7 +124,7 @@ def test_grammar_made_calls_parse_back_for_every_format():
             tool_format.call_begin.replace("{name}", n) + json.dumps(a) + tool_format.call_end
             for n, a in calls
         ]
-        if tool_format.name == "glm":
+        if tool_format.is_single_call:
             texts = texts[:1]
         text = tool_format.separator.join(texts)
         events = _parse(lambda f=tool_format: f.parser(NAMES), [text])
@@ -118,6 +140,8 @@ def test_format_is_chosen_by_the_template():
     assert format_for_template("{{ '<tool_call>' }}").name == "hermes"
     assert format_for_template("<|python_tag|>{{ tools }}").name == "llama3_json"
     assert format_for_template("<|observation|>").name == "glm"
+    assert format_for_template("[gMASK]<sop>{{ '<|observation|>' }}").name == "glm"
+    assert format_for_template("[gMASK]sop<|{{ role }}|>{{ '<|observation|>' }}").name == "chatglm3"
     assert format_for_template(None).name == "hermes"
     assert format_for_template(None, "glm").name == "glm"
     with pytest.raises(ValueError):
