@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkingBudget
-from serval.serving.tool_calls import ContentText, ToolCallArguments, ToolCallFormat, ToolCallStart
+from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart
+from serval.serving.tool_calls import ToolCallFormat
 
 if TYPE_CHECKING:
     from serval.engine.constraint import TokenConstraint

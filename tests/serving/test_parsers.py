@@ -9,14 +9,8 @@ import pytest
 
 from serval.serving.output import OutputParser, OutputPlan
 from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkParser
-from serval.serving.tool_calls import (
-    FORMATS,
-    ContentText,
-    ToolCallArguments,
-    ToolCallStart,
-    format_for_template,
-    merge_events,
-)
+from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, merge_events
+from serval.serving.tool_calls import FORMATS, format_for_template
 
 NAMES = frozenset({"get_weather", "f", "g"})
 C, S, A = ContentText, ToolCallStart, ToolCallArguments
