@@ -15,6 +15,8 @@ from serval.runner.models.arch import RopeScaling
 
 
 class RMSNorm(nn.Module):
+    native_kernel = None  # kernels.rms_norm, set by use_native_kernels
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -23,6 +25,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 whatever comes in; the result is in the weights' (the model's compute) dtype, so
         # an fp32 residual stream feeds bf16 matmuls directly.
+        if self.native_kernel is not None:
+            return self.native_kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(self.weight.dtype)
@@ -77,7 +81,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Linear(nn.Linear):
     """nn.Linear that sends decode-sized inputs (a few rows) to a native bf16 kernel when one is set.
 
-    The runner sets `small_batch_kernel` after loading (`use_small_batch_kernel`); without it this is
+    The runner sets `small_batch_kernel` after loading (`use_native_kernels`); without it this is
     exactly nn.Linear.
     """
 
@@ -99,15 +103,26 @@ def small_batch_matmul(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.T
     return x @ weight.t()
 
 
-def use_small_batch_kernel(model: nn.Module, kernel) -> None:
-    """Point every Linear of the model at the kernel (None: back to plain PyTorch)."""
+def use_native_kernels(model: nn.Module, kernels) -> None:
+    """Point the model's layers at the native CPU kernels (None: back to plain PyTorch everywhere).
+
+    The bf16 matmul kernel is used only for bf16 weights; norms and SwiGLU take bf16 or fp32.
+    """
     for module in model.modules():
-        if isinstance(module, Linear) and module.in_features % 32 == 0:
-            module.small_batch_kernel = kernel
+        if isinstance(module, Linear):
+            usable = kernels is not None and kernels.has_bf16_linear() and module.in_features % 32 == 0
+            is_bf16 = module.weight.dtype == torch.bfloat16
+            module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
+        elif isinstance(module, RMSNorm):
+            module.native_kernel = None if kernels is None else kernels.rms_norm
+        elif isinstance(module, GatedMLP):
+            module.silu_mul_kernel = None if kernels is None else kernels.silu_mul
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    silu_mul_kernel = None  # kernels.silu_mul, set by use_native_kernels
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -116,5 +131,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul_kernel is not None:
+            return self.down_proj(self.silu_mul_kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

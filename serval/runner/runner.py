@@ -14,7 +14,7 @@ from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import load_cpu_kernels
-from serval.runner.layers import use_small_batch_kernel
+from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.sampler import Sampler
 
@@ -73,8 +73,8 @@ class ModelRunner:
             kernels = load_cpu_kernels()
             if kernels is not None:
                 self.decode_kernel = kernels.paged_decode_attention
+                use_native_kernels(self.model, kernels)
                 if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
-                    use_small_batch_kernel(self.model, kernels.bf16_linear_small_batch)
                     self.model.tied_head_kernel = kernels.bf16_linear_small_batch
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)

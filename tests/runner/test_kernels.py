@@ -9,7 +9,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.batch import Batch
 from serval.runner.kernels import load_cpu_kernels
-from serval.runner.layers import use_small_batch_kernel
+from serval.runner.layers import GatedMLP, RMSNorm, use_native_kernels
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,27 @@ def test_bf16_small_batch_linear_matches_fp32_reference(kernels, rows, shape):
     assert ((got - reference).abs() / (reference.abs() + 1.0)).max().item() < 1e-2
 
 
-def test_bf16_model_logits_agree_with_and_without_the_kernel(tiny_model_factory, kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_match_pytorch(kernels, dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(7, 3, 64) * 50  # fp32 residual-stream-like input, 3D as for per-head q/k norms
+    expected = norm(x)
+    norm.native_kernel = kernels.rms_norm
+    got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert (got.float() - expected.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.05)
+
+    mlp = GatedMLP(64, 96).to(dtype)
+    h = torch.randn(5, 64).to(dtype)
+    expected = mlp(h)
+    mlp.silu_mul_kernel = kernels.silu_mul
+    assert (mlp(h).float() - expected.float()).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_bf16_model_logits_agree_with_and_without_the_kernels(tiny_model_factory, kernels):
     directory, _ = tiny_model_factory("qwen2", False)
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="bfloat16"), cache=CacheConfig(num_blocks=32)
@@ -42,6 +62,6 @@ def test_bf16_model_logits_agree_with_and_without_the_kernel(tiny_model_factory,
     decode_step = Batch([17], [1], [0], [[0]], [0], [])
     logits = {}
     for use_kernel in (True, False):
-        use_small_batch_kernel(runner.model, kernels.bf16_linear_small_batch if use_kernel else None)
+        use_native_kernels(runner.model, kernels if use_kernel else None)
         logits[use_kernel] = runner.compute_logits(decode_step)[0]
     assert (logits[True] - logits[False]).abs().max().item() < 0.05

@@ -199,6 +199,70 @@ torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
 #endif
 }
 
+// RMSNorm over the last dimension, computed in fp32 whatever comes in; the result has the weight's dtype.
+// One op instead of PyTorch's eight small ones (cast, pow, mean, add, rsqrt, mul, mul, cast) per call.
+template <typename In, typename Out>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const In* xp = x.data_ptr<In>();
+  const Out* wp = w.data_ptr<Out>();
+  Out* op = out.data_ptr<Out>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(dim);
+    for (int64_t d = 0; d < dim; ++d) wf[d] = to_float(wp[d]);
+    for (int64_t r = begin; r < end; ++r) {
+      const In* xr = xp + r * dim;
+      float sum = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) { const float v = to_float(xr[d]); sum += v * v; }
+      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+      Out* orow = op + r * dim;
+      for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<Out>(to_float(xr[d]) * scale * wf[d]);
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "x (rows, dim), weight (dim)");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = torch::empty(xc.sizes(), xc.options().dtype(wc.scalar_type()));
+  const auto in = xc.scalar_type(), w = wc.scalar_type();
+  if (in == torch::kFloat && w == torch::kBFloat16) rms_norm_impl<float, at::BFloat16>(xc, wc, eps, out);
+  else if (in == torch::kFloat && w == torch::kFloat) rms_norm_impl<float, float>(xc, wc, eps, out);
+  else if (in == torch::kBFloat16 && w == torch::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(xc, wc, eps, out);
+  else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
+  return out;
+}
+
+// SwiGLU's silu(gate) * up over (rows, 2 * inter) -> (rows, inter), in one pass.
+template <typename T>
+void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = out.size(0), inter = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = to_float(g[i]);
+        o[i] = static_cast<T>(gv / (1.0f + std::exp(-gv)) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (rows, 2 * inter)");
+  auto gc = gate_up.contiguous();
+  auto out = torch::empty({gc.size(0), gc.size(1) / 2}, gc.options());
+  if (gc.scalar_type() == torch::kBFloat16) silu_mul_impl<at::BFloat16>(gc, out);
+  else if (gc.scalar_type() == torch::kFloat) silu_mul_impl<float>(gc, out);
+  else TORCH_CHECK(false, "silu_mul: unsupported dtype");
+  return out;
+}
+
 bool has_bf16_linear() {
 #if defined(__AVX512BF16__)
   return true;
@@ -210,6 +274,8 @@ bool has_bf16_linear() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16");
   m.def("has_bf16_linear", &has_bf16_linear, "whether bf16_linear_small_batch was compiled in");
+  m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (one query token per sequence)");
 }

@@ -70,8 +70,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         # x is the residual stream, kept in fp32: these models carry outlier activations in the tens of
         # thousands (attention sinks), where bf16's 8-bit mantissa loses whole units and greedy output drifts.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta).float()
-        return x + self.mlp(self.post_attention_layernorm(x)).float()
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 # Hugging Face parameter suffix -> (our fused parameter, which shard of it).
