@@ -59,6 +59,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks (overrides memory)")
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--max-pinned-kv-fraction", type=float, help="KV cache that cache_control may pin (default 0.25)"
+    )
     p.add_argument("--request-timeout", type=float, help="seconds a request may take (default 600)")
     p.add_argument("--max-request-body-bytes", type=byte_size, help="largest request body (default 4MiB)")
     p.add_argument("--full-text-enabled", action=argparse.BooleanOptionalAction, default=None)
@@ -103,7 +106,8 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
     )  # fmt: skip
     cache = CacheConfig(
         **_pick(options, {"block_size": "block_size", "kv_cache_memory_bytes": "kv_cache_memory_bytes",
-                          "num_kv_blocks": "num_blocks", "enable_prefix_caching": "enable_prefix_caching"})
+                          "num_kv_blocks": "num_blocks", "enable_prefix_caching": "enable_prefix_caching",
+                          "max_pinned_kv_fraction": "max_pinned_kv_fraction"})
     )  # fmt: skip
     scheduler = SchedulerConfig(
         **_pick(options, {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",

@@ -37,8 +37,13 @@ class CacheConfig:
     # Overrides the memory budget with an exact block count (tests use it to force preemption).
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Most of the KV cache explicit prompt caching (cache_control) may pin. The rest always stays free for
+    # running requests, so the context limit shrinks by it; pins need the prefix cache, without it none.
+    max_pinned_kv_fraction: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_kv_fraction < 1.0:
+            raise ValueError(f"max_pinned_kv_fraction must be in [0, 1), got {self.max_pinned_kv_fraction}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:

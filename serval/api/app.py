@@ -154,12 +154,13 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         is_stream = bool(chat.stream)
         params = req.chat_sampling_params(chat, is_stream)
         messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message)
-        prompt, output = await frontend.prepare_chat(
+        prompt, output, num_pinned = await frontend.prepare_chat(
             messages,
             options,
             add_generation_prompt=chat.add_generation_prompt is not False,
             continue_final_message=continue_final,
             template_kwargs=req.with_template_kwargs(chat),
+            cache_point=req.cache_point(chat.messages),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -170,6 +171,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             params.logprobs is not None,
             config.request_timeout,
             output_plan=output,
+            num_pinned_prompt_tokens=num_pinned,
         )
         fmt = StreamFormat(
             request_id, created, model, params.n, usage_mode(chat.stream_options), config.full_text_enabled

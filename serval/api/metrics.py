@@ -49,6 +49,16 @@ class EngineCollector(Collector):
             "Prompt tokens served from the prefix cache.",
             stats.num_prefix_cache_hits,
         )
+        yield GaugeMetricFamily(
+            "serval_kv_cache_pinned_blocks",
+            "KV-cache blocks pinned by cache_control.",
+            stats.num_pinned_blocks,
+        )
+        yield CounterMetricFamily(
+            "serval_kv_cache_refused_pin_blocks",
+            "Blocks cache_control asked to pin past --max-pinned-kv-fraction (left unpinned).",
+            stats.num_refused_pin_blocks,
+        )
         yield CounterMetricFamily("serval_num_preemptions", "Requests preempted.", stats.num_preemptions)
 
 

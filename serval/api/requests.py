@@ -4,7 +4,8 @@ Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of
 stream, n > 1 needs temperature > 0, a named tool_choice names an offered tool, ...), the parsing of tools,
 tool_choice and response_format into serving's ChatOptions (schemas checked for what the grammar engine can
 enforce), and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search, code
-interpreter, audio output, beam search). Every refusal is an APIError naming the parameter.
+interpreter, audio output, beam search). Every refusal is an APIError naming the parameter. Also where a
+cache_control marker (explicit prompt caching) ends the prefix to pin.
 """
 
 from __future__ import annotations
@@ -75,6 +76,32 @@ def _content_text(message: ChatMessage, where: str) -> str | None:
         texts.append(text)
     # NOTE: text parts join with newlines, vLLM's rendering of list content for string-only templates.
     return "\n".join(texts)
+
+
+def cache_point(messages: list[ChatMessage]) -> tuple[int, int] | None:
+    """(message index, characters of its template text) where the last cache_control part ends, or None.
+
+    Model Studio's explicit cache: `cache_control: {"type": "ephemeral"}` on a content part caches the
+    prompt up to and including that part. Earlier markers are prefixes of the last one, so it alone counts.
+    """
+    point = None
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        offset = 0
+        for j, part in enumerate(message.content):
+            if not isinstance(part, dict):
+                continue  # _content_text names it
+            # Parts are joined with newlines (_content_text): the part ends after its text.
+            offset += (1 if j else 0) + len(part.get("text") or "")
+            if "cache_control" not in part:
+                continue
+            control = part["cache_control"]
+            param = f"messages[{i}].content[{j}].cache_control"
+            if not isinstance(control, dict) or control.get("type") != "ephemeral":
+                raise invalid(f'{param} must be {{"type": "ephemeral"}}', param)
+            point = (i, offset)
+    return point
 
 
 def _tool_call_dict(call: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Response bodies: serving's events and results as OpenAI / MindIE JSON, and SSE framing.
 
 Owns the exact shape of every response field (docs/api.md describes them): chat.completion and
-chat.completion.chunk, text_completion, usage with prompt_tokens_details.cached_tokens and MindIE's timing
-arrays and completion_tokens_details.reasoning_tokens, the assistant message with reasoning_content and
-tool_calls, logprobs in the chat form (with `bytes`) and the legacy completions form.
+chat.completion.chunk, text_completion, usage with prompt_tokens_details.cached_tokens (and the explicit
+cache's cache_creation fields) and MindIE's timing arrays and completion_tokens_details.reasoning_tokens, the
+assistant message with reasoning_content and tool_calls, logprobs in the chat form (with `bytes`) and the
+legacy completions form.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def usage_body(usage: Usage, with_timing: bool = True) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": usage.num_reasoning_tokens},
     }
+    if usage.uses_explicit_cache:
+        # Model Studio's explicit-cache fields, there only when the request used cache_control.
+        details = body["prompt_tokens_details"]
+        details["cache_creation"] = {"ephemeral_5m_input_tokens": usage.num_cache_creation_tokens}
+        details["cache_creation_input_tokens"] = usage.num_cache_creation_tokens
+        details["cache_type"] = "ephemeral"
     if with_timing:
         body["batch_size"] = list(usage.batch_sizes)
         body["queue_wait_time"] = list(usage.queue_wait_us)

@@ -4,12 +4,18 @@ A block holds `block_size` consecutive tokens of one or more requests' contexts.
 hash chained over every token before it (hash(parent_hash, its tokens)), so equal hashes mean equal
 prefixes and the block can be shared. Freed blocks keep their hash and stay findable until the free list
 hands them out again, least recently freed first; that is the prefix cache's LRU eviction.
+
+Pins (explicit prompt caching): a pinned full block holds one reference of its own until its pin expires, so
+it never reaches the free list and survives any eviction pressure. Pins are bounded (`max_num_pinned_blocks`)
+so they can't starve running requests; expiry is read from an injected clock and checked once per step.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,8 +28,18 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+PIN_TTL_S = 300.0  # an explicit cache entry lives five minutes after it was last written or refreshed
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_num_pinned_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -36,6 +52,11 @@ class BlockManager:
         # Counters for metrics: prompt tokens looked up in and found in the prefix cache.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.max_num_pinned_blocks = max_num_pinned_blocks
+        self.clock = clock
+        # block id -> when its pin expires (clock time); each pinned block holds one reference for its pin.
+        self.pin_expiry: dict[int, float] = {}
+        self.num_refused_pin_blocks = 0  # blocks a pin asked for beyond max_num_pinned_blocks (metrics)
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,14 +131,48 @@ class BlockManager:
     def free(self, request: Request) -> None:
         # Tail blocks first, so a shared prefix's head is the last thing evicted.
         for block_id in reversed(request.block_ids):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._dereference(block_id)
         request.block_ids = []
         request.block_hashes = []
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pin_expiry)
+
+    def pin(self, request: Request, num_tokens: int) -> int:
+        """Pin the computed full blocks covering the request's first `num_tokens` tokens for PIN_TTL_S.
+
+        Re-pinning a pinned block refreshes its expiry. Past the bound the rest of the prefix is left
+        unpinned (older pins are never pushed out early). Returns the tokens newly pinned, refreshes not
+        counted: what the request wrote into the explicit cache.
+        """
+        num_full = min(num_tokens, request.num_computed_tokens) // self.block_size
+        expiry = self.clock() + PIN_TTL_S
+        num_new = 0
+        for i, block_hash in enumerate(request.block_hashes[:num_full]):
+            # NOTE: by hash, not the request's own block: a duplicate block computed alongside the cached
+            # one is unnamed, and a later request can only ever find the named one.
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break  # prefix caching is off, or the chain is broken: nothing past here can be found
+            if block_id not in self.pin_expiry:
+                if self.num_pinned_blocks >= self.max_num_pinned_blocks:
+                    self.num_refused_pin_blocks += num_full - i
+                    break
+                self._reference(block_id)
+                num_new += 1
+            self.pin_expiry[block_id] = expiry
+        return num_new * self.block_size
+
+    def release_expired_pins(self) -> int:
+        """Drop the pins whose time is up; their blocks go to the free list's tail (evicted last). Returns
+        how many were dropped."""
+        now = self.clock()
+        expired = [block_id for block_id, expiry in self.pin_expiry.items() if expiry <= now]
+        for block_id in expired:
+            del self.pin_expiry[block_id]
+            self._dereference(block_id)
+        return len(expired)
 
     def record_query(self, num_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -126,6 +181,14 @@ class BlockManager:
         if self.ref_counts[block_id] == 0:
             del self.free_blocks[block_id]
         self.ref_counts[block_id] += 1
+
+    def _dereference(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _forget_hash(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

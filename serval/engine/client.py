@@ -42,6 +42,8 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     num_generated_tokens: int
+    num_pinned_blocks: int = 0  # blocks held by explicit-cache pins (cache_control)
+    num_refused_pin_blocks: int = 0  # blocks pins asked for past --max-pinned-kv-fraction, left unpinned
 
     @property
     def kv_cache_usage(self) -> float:
@@ -80,6 +82,7 @@ class EngineClient:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
+        num_pinned_prompt_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
@@ -94,7 +97,15 @@ class EngineClient:
             self._streams[request_id] = stream
             self._num_pending += 1
         self._commands.put(
-            ("add", request_id, list(prompt_token_ids), params, tuple(eos_token_ids), constraint)
+            (
+                "add",
+                request_id,
+                list(prompt_token_ids),
+                params,
+                tuple(eos_token_ids),
+                constraint,
+                num_pinned_prompt_tokens,
+            )
         )
         finished = False
         try:
@@ -129,6 +140,8 @@ class EngineClient:
             num_total_blocks=bm.num_blocks,
             num_prefix_cache_queries=bm.num_queried_tokens,
             num_prefix_cache_hits=bm.num_hit_tokens,
+            num_pinned_blocks=bm.num_pinned_blocks,
+            num_refused_pin_blocks=bm.num_refused_pin_blocks,
             num_steps=engine.num_steps,
             num_preemptions=engine.num_preemptions,
             num_generated_tokens=engine.num_generated_tokens,
@@ -173,14 +186,16 @@ class EngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, eos_token_ids, constraint = command
+            _, request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned = command
             with self._lock:
                 self._num_pending -= 1
                 wanted = request_id in self._streams
             if not wanted:
                 return  # the caller went away before the engine saw the request
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, eos_token_ids, constraint)
+                self.engine.add_request(
+                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned
+                )
             except ValueError as e:
                 self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))
         elif kind == "abort":

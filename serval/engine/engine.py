@@ -7,6 +7,7 @@ Single-threaded by design; `client.py` runs it on its own thread for the async f
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from serval.config import EngineConfig
 from serval.engine.block_manager import BlockManager
@@ -25,15 +26,26 @@ class PromptTooLongError(ValueError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        # clock: what pin expiry is measured against; tests pass a fake one to skip five minutes.
         self.config = config
         self.source = source or resolve_model(config.model.model)
         self.runner = ModelRunner(config.model, config.cache, self.source)
         info = self.runner.info
-        # A request can never hold more tokens than the whole cache, whatever the model's context.
-        self.max_model_len = min(info.max_model_len, info.num_blocks * info.block_size)
+        cache = config.cache
+        max_num_pinned = (
+            int(info.num_blocks * cache.max_pinned_kv_fraction) if cache.enable_prefix_caching else 0
+        )
+        # A request can never hold more tokens than the cache leaves unpinned, whatever the model's context:
+        # so a lone request always fits, however many blocks explicit caching holds.
+        self.max_model_len = min(info.max_model_len, (info.num_blocks - max_num_pinned) * info.block_size)
         self.block_manager = BlockManager(
-            info.num_blocks, info.block_size, config.cache.enable_prefix_caching
+            info.num_blocks, info.block_size, cache.enable_prefix_caching, max_num_pinned, clock
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -50,14 +62,19 @@ class Engine:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
+        num_pinned_prompt_tokens: int = 0,
     ) -> None:
+        """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(len(prompt_token_ids), params)
+        if not 0 <= num_pinned_prompt_tokens <= len(prompt_token_ids):
+            raise ValueError("num_pinned_prompt_tokens must be between 0 and the prompt's length")
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         request = Request(request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint)
+        request.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -86,6 +103,8 @@ class Engine:
     # ---- the step
 
     def step(self) -> list[RequestOutput]:
+        # Expired pins first, so this step's allocations may already evict their blocks.
+        self.block_manager.release_expired_pins()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -125,6 +144,12 @@ class Engine:
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens):
             request.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(request)
+            if request.wants_pin:
+                # Pinned once, as soon as the prefix is computed (a preempted request does not pin again).
+                request.num_newly_pinned_tokens = self.block_manager.pin(
+                    request, request.num_pinned_prompt_tokens
+                )
+                request.num_pinned_prompt_tokens = 0
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = started
             if request.num_output_tokens == 0:
@@ -166,6 +191,7 @@ class Engine:
             new_logprobs=logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_newly_pinned_tokens=request.num_newly_pinned_tokens,
             num_output_tokens=request.num_output_tokens,
             finished=request.finish_reason is not None,
             finish_reason=request.finish_reason,

@@ -38,6 +38,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # all output tokens so far
+    # Prompt tokens this request newly pinned in the explicit cache (cache_control), the API's
+    # cache_creation_input_tokens; blocks it found already pinned are refreshed, not counted.
+    num_newly_pinned_tokens: int = 0
     finished: bool = False
     # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort" (cancelled or failed)
     finish_reason: str | None = None

@@ -40,6 +40,10 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
+        # Explicit caching: leading prompt tokens still to pin once computed (zeroed when pinned), and the
+        # tokens that pinning newly wrote into the explicit cache.
+        self.num_pinned_prompt_tokens = 0
+        self.num_newly_pinned_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks, in order
         self.status = RequestStatus.WAITING
@@ -71,6 +75,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_pin(self) -> bool:
+        return 0 < self.num_pinned_prompt_tokens <= self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

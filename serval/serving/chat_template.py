@@ -5,6 +5,9 @@ passed through chat_template_kwargs) cannot reach Python internals or mutate its
 never becomes control tokens: every message's text is replaced by a unique placeholder before rendering, the
 rendered string is split at the placeholders, and the caller encodes template segments with special-token
 parsing and client segments without it. Otherwise a user typing "<|im_end|>" could close their own turn.
+
+A client text may also hold a cache marker (explicit prompt caching, placed by the frontend): the text is
+split there into two client segments, the first flagged, so the caller knows where the pinned prefix ends.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ChatTemplateError(ValueError):
 class Segment:
     text: str
     is_client_text: bool  # True: encode as plain text, never as special tokens
+    ends_cache_prefix: bool = False  # the explicit-cache prefix (cache_control) ends with this segment
 
 
 def _raise_exception(message: str) -> None:
@@ -72,11 +76,13 @@ class ChatTemplate:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        cache_marker: str | None = None,
     ) -> list[Segment]:
         """Render `messages` (dicts with a string "content") into segments.
 
         continue_final_message: the last message is an assistant turn to be continued, so the rendered text is
         cut right after its content (dropping the end-of-turn marks the template adds).
+        cache_marker: a string inside one message's text where the explicit-cache prefix ends; removed.
         """
         nonce = secrets.token_hex(8)
         pattern = re.compile(f"SERVALTEXT{nonce}N(\\d+)E")
@@ -109,7 +115,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
         if continue_final_message:
             rendered = self._cut_after_final(rendered, pattern, len(texts) - 1, messages)
-        return _split(rendered, pattern, texts)
+        return _split(rendered, pattern, texts, cache_marker)
 
     @staticmethod
     def _cut_after_final(rendered: str, pattern: re.Pattern, final_index: int, messages: list[dict]) -> str:
@@ -121,13 +127,20 @@ class ChatTemplate:
         return rendered[: ends[-1]]
 
 
-def _split(rendered: str, pattern: re.Pattern, texts: list[str]) -> list[Segment]:
+def _split(
+    rendered: str, pattern: re.Pattern, texts: list[str], cache_marker: str | None = None
+) -> list[Segment]:
     segments: list[Segment] = []
     position = 0
     for match in pattern.finditer(rendered):
         if match.start() > position:
             segments.append(Segment(rendered[position : match.start()], is_client_text=False))
         text = texts[int(match.group(1))]
+        if cache_marker and cache_marker in text:
+            # NOTE: the two halves are encoded apart, so the prefix's tokens do not depend on what follows
+            # it: a later request with the same prefix and another continuation finds the same blocks.
+            head, text = text.split(cache_marker, 1)
+            segments.append(Segment(head, is_client_text=True, ends_cache_prefix=True))
         if text:
             segments.append(Segment(text, is_client_text=True))
         position = match.end()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,7 @@ class Frontend:
         segments = self._render(
             messages, add_generation_prompt, continue_final_message, tools, template_kwargs
         )
-        return self._encode(segments)
+        return self._encode(segments)[0]
 
     async def prepare_chat(
         self,
@@ -93,11 +94,25 @@ class Frontend:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[list[int], OutputPlan]:
-        """The prompt ids and the answer's OutputPlan; its grammar is compiled here (a 400 if it can't be)."""
+        cache_point: tuple[int, int] | None = None,
+    ) -> tuple[list[int], OutputPlan, int]:
+        """The prompt ids, the answer's OutputPlan (its grammar compiled here: a 400 if it can't be) and how
+        many leading prompt tokens to pin in the explicit cache.
+
+        cache_point: (message index, characters of its text) where the cache_control prefix ends, or None.
+        """
+        marker = None
+        if cache_point is not None:
+            # A marker no client text can contain rides in the text through the tool and reasoning rewrites
+            # (which prepend and wrap) to the renderer, which splits the segments there.
+            index, offset = cache_point
+            marker = f"SERVALCACHE{secrets.token_hex(8)}E"
+            text = messages[index]["content"]
+            messages = list(messages)
+            messages[index] = {**messages[index], "content": text[:offset] + marker + text[offset:]}
         messages, tools = prepare_messages(messages, options, self.tool_format, self.template_source)
         segments = self._render(
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, marker
         )
         thinks = template_thinks(self.template_source)
         starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
@@ -115,7 +130,8 @@ class Frontend:
             thinking_budget=budget,
             think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
         )
-        return self._encode(segments), plan
+        token_ids, num_pinned_tokens = self._encode(segments)
+        return token_ids, plan, num_pinned_tokens
 
     def _render(
         self,
@@ -124,6 +140,7 @@ class Frontend:
         continue_final_message: bool,
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
+        cache_marker: str | None = None,
     ) -> list[Segment]:
         if self.chat_template is None:
             raise InvalidRequestError(
@@ -132,20 +149,24 @@ class Frontend:
             )
         try:
             segments = self.chat_template.render(
-                messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+                messages, add_generation_prompt, continue_final_message, tools, template_kwargs, cache_marker
             )
         except ChatTemplateError as e:
             raise InvalidRequestError(str(e), "messages") from e
         return segments
 
-    def _encode(self, segments: list[Segment]) -> list[int]:
+    def _encode(self, segments: list[Segment]) -> tuple[list[int], int]:
+        """The prompt ids, and how many of them the explicit-cache prefix covers (0 without one)."""
         token_ids: list[int] = []
+        num_prefix_tokens = 0
         for segment in segments:
             if segment.is_client_text:
                 token_ids.extend(self.tokenizer.encode_plain(segment.text))
             else:
                 token_ids.extend(self.tokenizer.encode(segment.text))
-        return token_ids
+            if segment.ends_cache_prefix:
+                num_prefix_tokens = len(token_ids)
+        return token_ids, num_prefix_tokens
 
     def encode_prompt(self, text: str) -> list[int]:
         # A raw completion prompt is the client's own template: special tokens in it are meant as such.
@@ -213,16 +234,20 @@ class Frontend:
         timeout: float | None = None,
         param: str = "messages",
         output_plan: OutputPlan | None = None,
+        num_pinned_prompt_tokens: int = 0,
     ) -> AsyncIterator[Event]:
         """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
-        aborts every engine request still running."""
+        aborts every engine request still running. num_pinned_prompt_tokens: the leading tokens of every
+        prompt to pin in the explicit cache (cache_control)."""
         sequences = self.plan(prompts, params, param)
         streams = [
             ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs, output_plan) for s in sequences
         ]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [
-            asyncio.create_task(self._pump(f"{request_id}-{s.index}", s, queue, output_plan))
+            asyncio.create_task(
+                self._pump(f"{request_id}-{s.index}", s, queue, output_plan, num_pinned_prompt_tokens)
+            )
             for s in sequences
         ]
         loop = asyncio.get_running_loop()
@@ -250,7 +275,9 @@ class Frontend:
                 if stream.is_finished and not item.finished:
                     tasks[index].cancel()  # a stop string matched: abort the engine request
                 yield delta
-            yield self._usage(prompts, sequences, streams)
+            usage = self._usage(prompts, sequences, streams)
+            usage.uses_explicit_cache = num_pinned_prompt_tokens > 0
+            yield usage
         finally:
             # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
             # cancelled again. Cancelling a pump closes its engine iterator, which aborts the request.
@@ -273,7 +300,12 @@ class Frontend:
             return keep_best(await fold(events), params)
 
     async def _pump(
-        self, engine_request_id: str, sequence: _Sequence, queue: asyncio.Queue, plan: OutputPlan | None
+        self,
+        engine_request_id: str,
+        sequence: _Sequence,
+        queue: asyncio.Queue,
+        plan: OutputPlan | None,
+        num_pinned_prompt_tokens: int = 0,
     ) -> None:
         # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
         tokenizer = self.tokenizer
@@ -284,6 +316,7 @@ class Frontend:
             sequence.params,
             tokenizer.eos_token_ids,
             constraint=constraint,
+            num_pinned_prompt_tokens=num_pinned_prompt_tokens,
         )
         try:
             async for output in outputs:
@@ -310,6 +343,8 @@ class Frontend:
         usage = Usage(
             num_prompt_tokens=sum(len(prompt) for prompt in prompts),
             num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
+            # Every sequence asks to pin; the first to get there writes, the rest only refresh (count 0).
+            num_cache_creation_tokens=sum(stream.num_newly_pinned_tokens for stream in streams),
             num_completion_tokens=sum(stream.num_output_tokens for stream in streams),
             num_reasoning_tokens=sum(stream.num_reasoning_tokens for stream in streams),
         )

@@ -59,6 +59,10 @@ class Usage:
     num_cached_tokens: int
     num_completion_tokens: int  # over all sequences generated, best_of ones included
     num_reasoning_tokens: int = 0  # of those, the tokens of the reasoning (<think> ... </think>)
+    # Explicit caching (cache_control): prompt tokens this request newly wrote into the explicit cache, and
+    # whether it asked for it at all (the API shows the cache_creation fields only then).
+    num_cache_creation_tokens: int = 0
+    uses_explicit_cache: bool = False
     # MindIE's timing arrays, of the longest sequence (they share the steps): per generated token the batch
     # size of its step and its queue wait (µs); the prompt's compute time and each decode step's time (ms).
     batch_sizes: list[int] = field(default_factory=list)
@@ -97,6 +101,7 @@ class ChoiceStream:
         self.stop_matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.num_newly_pinned_tokens = 0
         self.cumulative_logprob: float | None = None
         self.metrics: RequestMetrics | None = None
         self.finish_reason: str | None = None
@@ -120,6 +125,7 @@ class ChoiceStream:
         token_ids = list(output.new_token_ids)
         self.num_output_tokens += len(token_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        self.num_newly_pinned_tokens = output.num_newly_pinned_tokens
         if output.metrics is not None:
             self.metrics = output.metrics
         text_ids = token_ids

@@ -53,6 +53,12 @@ def cases(model: str) -> list[tuple[str, str, object, int, str | None]]:
          400, "messages[0].content[0].text"),
         ("part-unknown-type", CHAT, chat(model, messages=[{"role": "user", "content": [{"type": "blob"}]}]), 400,
          "messages[0].content[0].type"),
+        ("cache-control-type", CHAT, chat(model, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi", "cache_control": {"type": "persistent"}}]}]), 400,
+         "messages[0].content[0].cache_control"),
+        ("cache-control-string", CHAT, chat(model, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": "ephemeral"}]}]), 400,
+         "messages[0].content[1].cache_control"),
         ("image-part", CHAT, chat(model, messages=[{"role": "user", "content": [{"type": "text", "text": "what?"},
                                                                                  image]}]),
          400, "messages[0].content[1].type"),

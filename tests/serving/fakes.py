@@ -58,7 +58,15 @@ class FakeEngine:
         self.finished: list[str] = []
         self.is_queue_full = False
 
-    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids=(), constraint=None):
+    async def generate(
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        eos_token_ids=(),
+        constraint=None,
+        num_pinned_prompt_tokens=0,
+    ):
         import asyncio
         import math
 

@@ -82,7 +82,7 @@ def test_budget_forces_the_end_tag_and_the_split_is_the_same_streamed(app):
     loop, _, tokenizer, frontend = app
     messages = BODY["messages"]
     options = ChatOptions(thinking_budget=BUDGET)
-    prompt, plan = loop.run_until_complete(frontend.prepare_chat(messages, options))
+    prompt, plan, _ = loop.run_until_complete(frontend.prepare_chat(messages, options))
     assert plan.starts_in_reasoning  # the template opened <think>
     params = SamplingParams(seed=7, max_tokens=24, ignore_eos=True)
     choice = loop.run_until_complete(frontend.complete("r", [prompt], params, output_plan=plan)).choices[0]
