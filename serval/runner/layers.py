@@ -6,6 +6,8 @@ Tensors are flat over the step's tokens: (num_tokens, ...); there is no batch di
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +58,32 @@ def rope_inverse_frequencies(
     return torch.where(is_medium, smoothed, scaled).float()
 
 
+@dataclass
+class RopeTables:
+    """One step's rotary tables: looked up once per step, applied by every layer."""
+
+    cos: torch.Tensor  # (num_tokens, head_dim // 2) float32
+    sin: torch.Tensor
+    dtype: torch.dtype  # of q and k
+    native_kernel: Callable | None  # kernels.rotary_embedding_ (in place, fp32 math)
+
+    def __post_init__(self) -> None:
+        if self.native_kernel is None:
+            # (num_tokens, 1, head_dim // 2) in the compute dtype, for the broadcasting PyTorch path
+            self.cos_b = self.cos.unsqueeze(1).to(self.dtype)
+            self.sin_b = self.sin.unsqueeze(1).to(self.dtype)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_kernel is not None:
+            self.native_kernel(q, k, self.cos, self.sin)
+            return q, k
+        return apply_rope(q, self.cos_b, self.sin_b), apply_rope(k, self.cos_b, self.sin_b)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate halves) RoPE with a precomputed cos/sin table indexed by position."""
+
+    native_kernel = None  # kernels.rotary_embedding_, set by use_native_kernels
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor):
         super().__init__()
@@ -66,9 +92,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Looked up once per step and shared by every layer. (num_tokens, 1, head_dim // 2) each.
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return RopeTables(self.cos[positions], self.sin[positions], dtype, self.native_kernel)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,6 +142,8 @@ def use_native_kernels(model: nn.Module, kernels) -> None:
             module.native_kernel = None if kernels is None else kernels.rms_norm
         elif isinstance(module, GatedMLP):
             module.silu_mul_kernel = None if kernels is None else kernels.silu_mul
+        elif isinstance(module, RotaryEmbedding):
+            module.native_kernel = None if kernels is None else kernels.rotary_embedding_
 
 
 class GatedMLP(nn.Module):

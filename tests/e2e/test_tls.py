@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 import subprocess
 import time
 
@@ -36,19 +37,20 @@ def test_https_with_a_self_signed_certificate(tiny_model_factory, tmp_path):
         ],
         str(tmp_path / "tls.log"),
     )
+    trust = ssl.create_default_context(cafile=str(cert))
     try:
         url = f"https://127.0.0.1:{server.port}"
         for _ in range(200):
             try:
-                if httpx.get(f"{url}/health", verify=str(cert), timeout=1).status_code == 200:
+                if httpx.get(f"{url}/health", verify=trust, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 if server.process.poll() is not None:
                     pytest.fail(server.log_tail())
                 time.sleep(0.3)
-        body = {"model": httpx.get(f"{url}/v1/models", verify=str(cert)).json()["data"][0]["id"],
+        body = {"model": httpx.get(f"{url}/v1/models", verify=trust).json()["data"][0]["id"],
                 "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}  # fmt: skip
-        response = httpx.post(f"{url}/v1/chat/completions", json=body, verify=str(cert), timeout=60)
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, verify=trust, timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] <= 4
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is refused

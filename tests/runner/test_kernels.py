@@ -65,3 +65,22 @@ def test_bf16_model_logits_agree_with_and_without_the_kernels(tiny_model_factory
         use_native_kernels(runner.model, kernels if use_kernel else None)
         logits[use_kernel] = runner.compute_logits(decode_step)[0]
     assert (logits[True] - logits[False]).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_matches_pytorch_on_strided_views(kernels, dtype):
+    from serval.runner.layers import RotaryEmbedding, rope_inverse_frequencies
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(32, 256, rope_inverse_frequencies(32, 10000.0, None))
+    positions = torch.tensor([0, 5, 77, 200, 201])
+    qkv = torch.randn(5, (4 + 2 + 2) * 32).to(dtype)  # q, k, v side by side, as the fused projection gives
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)
+    q, k = q.view(5, 4, 32), k.view(5, 2, 32)
+    expected_q, expected_k = rotary.tables(positions, dtype).apply(q.clone(), k.clone())
+    rotary.native_kernel = kernels.rotary_embedding_
+    got_q, got_k = rotary.tables(positions, dtype).apply(q, k)  # in place on the views
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    assert (got_q.float() - expected_q.float()).abs().max().item() < tolerance
+    assert (got_k.float() - expected_k.float()).abs().max().item() < tolerance
+    assert got_q.data_ptr() == q.data_ptr()  # rotated where it lies, no copy

@@ -263,6 +263,44 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Neox-style RoPE applied in place to q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim), which
+// may be strided views of the fused qkv output; cos and sin are (tokens, head_dim / 2) float32. The rotation
+// is computed in fp32 and rounded once.
+template <typename T>
+void rope_impl(torch::Tensor& x, const float* cos, const float* sin, int64_t half) {
+  const int64_t tokens = x.size(0), heads = x.size(1);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  T* base = x.data_ptr<T>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = base + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(p[i]), x2 = to_float(p[i + half]);
+          p[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          p[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: (tokens, heads, dim)");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "cos/sin: float32");
+  auto c = cos.contiguous();
+  auto s = sin.contiguous();
+  const int64_t half = q.size(2) / 2;
+  TORCH_CHECK(c.numel() == q.size(0) * half && s.numel() == q.size(0) * half, "cos/sin: (tokens, dim / 2)");
+  for (torch::Tensor x : {q, k}) {
+    if (x.scalar_type() == torch::kBFloat16) rope_impl<at::BFloat16>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
+    else if (x.scalar_type() == torch::kFloat) rope_impl<float>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
+    else TORCH_CHECK(false, "rotary_embedding_: unsupported dtype");
+  }
+}
+
 bool has_bf16_linear() {
 #if defined(__AVX512BF16__)
   return true;
@@ -276,6 +314,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_linear", &has_bf16_linear, "whether bf16_linear_small_batch was compiled in");
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor");
+  m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (one query token per sequence)");
 }

@@ -16,8 +16,8 @@ from serval.runner.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
+    RopeTables,
     RotaryEmbedding,
-    apply_rope,
     rope_inverse_frequencies,
     small_batch_matmul,
 )
@@ -41,8 +41,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (num_tokens, hidden_size)
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -54,7 +53,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -67,10 +66,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+    def forward(self, x, rope, k_cache, v_cache, meta):
         # x is the residual stream, kept in fp32: these models carry outlier activations in the tens of
         # thousands (attention sinks), where bf16's 8-bit mantissa loses whole units and greedy output drifts.
-        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
+        x = x.add_(self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -110,9 +109,9 @@ class LlamaForCausalLM(nn.Module):
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         x = self.embed_tokens(input_ids).float()  # (num_tokens, hidden_size), the fp32 residual stream
-        cos, sin = self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
+        rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, rope, k_cache, v_cache, meta)
         x = self.norm(x[logit_rows])
         if self.lm_head is not None:
             return self.lm_head(x).float()
