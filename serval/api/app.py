@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from serval.api import requests as req
 from serval.api.auth import APIKeyAuth
+from serval.api.chat_options import chat_options
 from serval.api.errors import APIError, from_serving, from_validation, install_error_handlers
 from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
 from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -150,7 +151,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         chat = parse(ChatCompletionRequest, await read_body(request, config.max_request_body_bytes))
         model = check_model(chat.model)
         req.check_chat_features(chat)
-        options = req.chat_options(chat)
+        options = chat_options(chat)
         is_stream = bool(chat.stream)
         params = req.chat_sampling_params(chat, is_stream)
         messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message)

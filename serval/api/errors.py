@@ -53,6 +53,14 @@ class APIError(Exception):
         self.headers = headers
 
 
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param, "unsupported_parameter")
+
+
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     error_type = _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,9 +1,8 @@
 """From a validated request to native values: template messages, SamplingParams, prompts.
 
 Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of >= n and equal to n in a
-stream, n > 1 needs temperature > 0, a named tool_choice names an offered tool, ...), the parsing of tools,
-tool_choice and response_format into serving's ChatOptions (schemas checked for what the grammar engine can
-enforce), and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search, code
+stream, n > 1 needs temperature > 0, ...; tools, tool_choice and response_format are in chat_options.py),
+and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search, code
 interpreter, audio output, beam search). Every refusal is an APIError naming the parameter. Also where a
 cache_control marker (explicit prompt caching) ends the prefix to pin.
 """
@@ -11,10 +10,9 @@ cache_control marker (explicit prompt caching) ends the prefix to pin.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from serval.api.errors import APIError
+from serval.api.errors import invalid, unsupported
 from serval.api.openai import (
     INT32_MAX,
     MAX_STOP_CHARS,
@@ -24,24 +22,10 @@ from serval.api.openai import (
     SamplingFields,
 )
 from serval.sampling import SamplingParams
-from serval.serving.chat import ChatOptions, ResponseFormat
-from serval.serving.errors import InvalidRequestError
-from serval.serving.structured import check_schema
-from serval.serving.tool_calls import Tool, ToolChoice
 
 MEDIA_PART_TYPES = frozenset(
     {"image_url", "video_url", "audio_url", "input_audio", "video", "image", "audio"}
 )
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's rule, plus '.' and ':' (namespaced tools)
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param, code)
-
-
-def _unsupported(message: str, param: str) -> APIError:
-    return APIError(400, message, param, "unsupported_parameter")
 
 
 # ---- messages
@@ -62,7 +46,7 @@ def _content_text(message: ChatMessage, where: str) -> str | None:
             raise invalid(f"{part_where} must be an object with a string type", part_where)
         kind = part["type"]
         if kind in MEDIA_PART_TYPES:
-            raise _unsupported(
+            raise unsupported(
                 f"{part_where}.type {kind!r}: the served model is a text-only model and cannot read media",
                 f"{part_where}.type",
             )
@@ -158,133 +142,26 @@ def template_messages(
 
 def check_chat_features(request: ChatCompletionRequest) -> None:
     if request.enable_search:
-        raise _unsupported("enable_search: web search is not available on this deployment", "enable_search")
+        raise unsupported("enable_search: web search is not available on this deployment", "enable_search")
     if request.enable_code_interpreter:
-        raise _unsupported(
+        raise unsupported(
             "enable_code_interpreter: code execution is not available on this deployment",
             "enable_code_interpreter",
         )
     if request.modalities and any(m != "text" for m in request.modalities):
-        raise _unsupported("modalities: the served model produces text only", "modalities")
+        raise unsupported("modalities: the served model produces text only", "modalities")
     if request.audio is not None:
-        raise _unsupported("audio: the served model produces text only", "audio")
+        raise unsupported("audio: the served model produces text only", "audio")
 
 
 # ---- tools and structured output
 
 
-def chat_options(request: ChatCompletionRequest) -> ChatOptions:
-    tools = _tools(request.tools)
-    return ChatOptions(
-        tools=tools,
-        tool_choice=_tool_choice(request.tool_choice, tools),
-        parallel_tool_calls=request.parallel_tool_calls is not False,
-        response_format=_response_format(request.response_format),
-        thinking_budget=request.thinking_budget,
-        preserve_thinking=bool(request.preserve_thinking),
-    )
-
-
-def _checked_schema(schema: Any, param: str) -> Any:
-    try:
-        check_schema(schema, param)
-    except InvalidRequestError as e:
-        raise invalid(str(e), param) from e
-    return schema
-
-
-def _tools(value: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
-    tools: list[Tool] = []
-    for i, tool in enumerate(value or ()):
-        where = f"tools[{i}]"
-        if tool.get("type", "function") != "function":
-            raise _unsupported(
-                f"{where}.type {tool.get('type')!r}: only function tools exist here", f"{where}.type"
-            )
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise invalid(f"{where}.function must be an object", f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise invalid(
-                f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
-                f"{where}.function.name",
-            )
-        if any(t.name == name for t in tools):
-            raise invalid(f"{where}.function.name {name!r} is offered twice", f"{where}.function.name")
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise invalid(f"{where}.function.description must be a string", f"{where}.function.description")
-        strict = function.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise invalid(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = EMPTY_PARAMETERS
-        elif not isinstance(parameters, dict):
-            raise invalid(
-                f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
-            )
-        _checked_schema(parameters, f"{where}.function.parameters")
-        tools.append(Tool(name, parameters, description, bool(strict)))
-    return tuple(tools)
-
-
-def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
-    if value is None:
-        return ToolChoice("auto" if tools else "none")
-    if isinstance(value, str):
-        if value not in ("none", "auto", "required"):
-            raise invalid('tool_choice must be "none", "auto", "required" or a function', "tool_choice")
-        if value == "required" and not tools:
-            raise invalid('tool_choice "required" needs tools', "tool_choice")
-        return ToolChoice("none") if value == "auto" and not tools else ToolChoice(value)
-    if not isinstance(value, dict):
-        raise invalid("tool_choice must be a string or an object", "tool_choice")
-    function = value.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if value.get("type") != "function" or not isinstance(name, str):
-        raise invalid(
-            'a named tool_choice is {"type": "function", "function": {"name": ...}}',
-            "tool_choice.function.name",
-        )
-    if not any(t.name == name for t in tools):
-        raise invalid(
-            f"tool_choice names {name!r}, which is not among the tools", "tool_choice.function.name"
-        )
-    return ToolChoice("function", name)
-
-
-def _response_format(value: dict[str, Any] | None) -> ResponseFormat:
-    if value is None:
-        return ResponseFormat()
-    kind = value.get("type", "text")
-    if kind in ("text", "json_object"):
-        return ResponseFormat(kind)
-    if kind != "json_schema":
-        raise invalid(
-            'response_format.type must be "text", "json_object" or "json_schema"', "response_format.type"
-        )
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise invalid("response_format.json_schema must be an object", "response_format.json_schema")
-    schema = spec.get("schema")
-    param = "response_format.json_schema.schema"
-    if schema is None:
-        raise APIError(400, f"{param} is required", param, "missing_required_parameter")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(
-            "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict"
-        )
-    return ResponseFormat("json_schema", _checked_schema(schema, param), bool(strict))
-
-
 def _check_sampling_features(request: SamplingFields) -> None:
     if request.use_beam_search:
-        raise _unsupported("use_beam_search: beam search is not supported", "use_beam_search")
+        raise unsupported("use_beam_search: beam search is not supported", "use_beam_search")
     if request.length_penalty is not None and request.length_penalty != 1.0:
-        raise _unsupported(
+        raise unsupported(
             "length_penalty only applies to beam search, which is not supported", "length_penalty"
         )
 
