@@ -11,8 +11,8 @@ import pytest
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.block_manager import PIN_TTL_S, BlockManager
 from serval.engine.engine import Engine
-from serval.engine.request import Request
 from serval.sampling import SamplingParams
+from tests.engine.block_helpers import make_request, prefill
 
 
 class FakeClock:
@@ -23,36 +23,25 @@ class FakeClock:
         return self.now
 
 
-def _request(request_id: str, token_ids: list[int]) -> Request:
-    return Request(request_id, token_ids, SamplingParams(max_tokens=4), eos_token_ids=())
-
-
-def _prefill(bm: BlockManager, request: Request) -> None:
-    cached = bm.find_cached_prefix(request)
-    bm.allocate(request, request.num_tokens - len(cached) * bm.block_size, cached)
-    request.num_computed_tokens = request.num_tokens
-    bm.cache_full_blocks(request)
-
-
 def _fill(bm: BlockManager, start: int, count: int = 2) -> None:
     # Requests of fresh tokens as long as the free list allows: each one takes (evicts) every free block.
     for i in range(count):
         num_tokens = bm.num_free_blocks * bm.block_size
-        r = _request(f"fill{start + i}", [1000 * (start + i) + t for t in range(num_tokens)])
-        _prefill(bm, r)
+        r = make_request(f"fill{start + i}", [1000 * (start + i) + t for t in range(num_tokens)])
+        prefill(bm, r)
         bm.free(r)
 
 
 def test_pinned_blocks_survive_eviction_until_they_expire():
     clock = FakeClock()
     bm = BlockManager(num_blocks=8, block_size=2, max_num_pinned_blocks=4, clock=clock)
-    a = _request("a", [1, 2, 3, 4, 5, 6, 7])  # 3 full blocks and a partial one
-    _prefill(bm, a)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7])  # 3 full blocks and a partial one
+    prefill(bm, a)
     assert bm.pin(a, 5) == 4  # the full blocks inside the first 5 tokens: 2
     bm.free(a)
     assert bm.num_free_blocks == 6 and bm.num_pinned_blocks == 2
     _fill(bm, 1)
-    again = _request("a2", [1, 2, 3, 4, 9])
+    again = make_request("a2", [1, 2, 3, 4, 9])
     assert len(bm.find_cached_prefix(again)) == 2
 
     clock.now += PIN_TTL_S - 1
@@ -67,13 +56,13 @@ def test_pinned_blocks_survive_eviction_until_they_expire():
 def test_repinning_refreshes_and_counts_nothing_new():
     clock = FakeClock()
     bm = BlockManager(num_blocks=8, block_size=2, max_num_pinned_blocks=4, clock=clock)
-    a = _request("a", [1, 2, 3, 4, 5])
-    _prefill(bm, a)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    prefill(bm, a)
     assert bm.pin(a, 4) == 4
     bm.free(a)
     clock.now += PIN_TTL_S - 10
-    b = _request("b", [1, 2, 3, 4, 5, 6, 7])  # the same two blocks, then one more
-    _prefill(bm, b)
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7])  # the same two blocks, then one more
+    prefill(bm, b)
     assert bm.pin(b, 6) == 2  # only the third block is new; the first two are refreshed
     bm.free(b)
     clock.now += 20  # past a's first expiry, inside the refreshed one
@@ -84,11 +73,11 @@ def test_repinning_refreshes_and_counts_nothing_new():
 def test_pins_stop_at_the_bound_and_keep_older_pins():
     clock = FakeClock()
     bm = BlockManager(num_blocks=16, block_size=2, max_num_pinned_blocks=3, clock=clock)
-    a = _request("a", [1, 2, 3, 4, 5])
-    _prefill(bm, a)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    prefill(bm, a)
     assert bm.pin(a, 4) == 4
-    b = _request("b", [9, 8, 7, 6, 5, 4, 3])
-    _prefill(bm, b)
+    b = make_request("b", [9, 8, 7, 6, 5, 4, 3])
+    prefill(bm, b)
     assert bm.pin(b, 6) == 2  # one block left under the bound: b's first; the rest are refused
     assert bm.num_pinned_blocks == 3 and bm.num_refused_pin_blocks == 2
     bm.free(a)
@@ -100,8 +89,8 @@ def test_pins_stop_at_the_bound_and_keep_older_pins():
 
 def test_without_prefix_caching_nothing_is_pinned():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False, max_num_pinned_blocks=4)
-    a = _request("a", [1, 2, 3, 4, 5])
-    _prefill(bm, a)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    prefill(bm, a)
     assert bm.pin(a, 4) == 0 and bm.num_pinned_blocks == 0
 
 
