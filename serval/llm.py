@@ -1,7 +1,8 @@
 """LLM: the offline entry point, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
 
 It drives the Engine in the caller's thread (no server, no event loop) and turns token ids into text with
-the model's tokenizer. `n > 1` runs n engine requests; stop strings end a request at the first match.
+the model's tokenizer, through the same incremental detokenizer and stop-string matcher as the server
+(serving/stream.py). `n > 1` runs n engine requests; a stop string ends a request at its first match.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from serval.engine.engine import Engine
 from serval.engine.outputs import TokenLogprob
 from serval.sampling import SamplingParams
+from serval.serving.stream import ChoiceStream
 from serval.serving.tokenizer import Tokenizer
 
 
@@ -47,6 +49,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    stream: ChoiceStream | None = None  # detokenizer + stop strings, shared with the server's path
 
 
 class LLM:
@@ -108,7 +111,8 @@ class LLM:
                     choice_params = _replace_seed(params, params.seed + i)
                 engine_id = f"{result.request_id}-{i}"
                 self.engine.add_request(engine_id, prompt_ids, choice_params, self.tokenizer.eos_token_ids)
-                choices[engine_id] = (result, _Choice(i, choice_params))
+                stream = ChoiceStream(i, self.tokenizer, choice_params, return_logprobs=False)
+                choices[engine_id] = (result, _Choice(i, choice_params, stream=stream))
             results.append(result)
         self._run(choices, use_tqdm)
         for result, choice in choices.values():
@@ -133,28 +137,17 @@ class LLM:
                         choice.logprobs = (choice.logprobs or []) + output.new_logprobs
                     choice.token_ids.extend(output.new_token_ids)
                     result.num_cached_tokens = output.num_cached_tokens
-                    if output.finished and choice.finish_reason is None:
-                        choice.finish_reason = output.finish_reason
-                        choice.stop_reason = output.stop_token_id
-                    if self._update_text(choice) and not output.finished:
-                        self.engine.abort_request(output.request_id)  # a stop string matched
-                    if output.finished or choice.finish_reason is not None:
+                    delta = choice.stream.feed(output)
+                    if delta is None:
+                        continue  # ended earlier by a stop string
+                    choice.text += delta.text
+                    if choice.stream.is_finished:
+                        choice.finish_reason = choice.stream.finish_reason
+                        matched = choice.stream.stop_matcher.matched
+                        choice.stop_reason = matched if matched is not None else output.stop_token_id
+                        if not output.finished:
+                            self.engine.abort_request(output.request_id)  # a stop string matched
                         bar.update(1)
-
-    def _update_text(self, choice: _Choice) -> bool:
-        """Decode the choice's text; True when a stop string newly matched (and ended the choice)."""
-        if isinstance(choice.stop_reason, str):
-            return False  # already ended by a stop string; later tokens are not text
-        params = choice.params
-        text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=params.skip_special_tokens)
-        matches = [(text.find(stop), stop) for stop in params.stop if stop in text]
-        if not matches:
-            choice.text = text
-            return False
-        position, stop = min(matches)
-        choice.text = text[: position + len(stop)] if params.include_stop_str_in_output else text[:position]
-        choice.finish_reason, choice.stop_reason = "stop", stop
-        return True
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
