@@ -32,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    # Beam search (engine/beam_search.py): best_of beams (n when best_of is unset), n returned, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # score = cumulative logprob / generated length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # NOTE: unused by the engine
 
     def __post_init__(self) -> None:
@@ -69,8 +73,14 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:

@@ -28,8 +28,9 @@ from serval.api.openai import ChatCompletionRequest, CompletionRequest, Detokeni
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
 from serval.server_config import ServerConfig
+from serval.serving.choices import keep_best
 from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
-from serval.serving.frontend import Frontend, keep_best
+from serval.serving.frontend import Frontend
 from serval.serving.stream import ChoiceDelta, Completion, Event, Usage, fold
 
 T = TypeVar("T")

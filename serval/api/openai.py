@@ -81,6 +81,9 @@ class SamplingFields(Schema):
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    early_stopping: Any = (
+        None  # beam search: true, false or "never" (transformers'); checked in beam_rules.py
+    )
     user: str | None = None
 
 

@@ -3,7 +3,7 @@
 Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of >= n and equal to n in a
 stream, n > 1 needs temperature > 0, ...; tools, tool_choice and response_format are in chat_options.py),
 and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search, code
-interpreter, audio output, beam search). Every refusal is an APIError naming the parameter. Also where a
+interpreter, audio output; beam search's own rules are in beam_rules.py). Every refusal is an APIError naming the parameter. Also where a
 cache_control marker (explicit prompt caching) ends the prefix to pin.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from serval.api.beam_rules import beam_search_fields, check_not_beam_only
 from serval.api.errors import invalid, unsupported
 from serval.api.openai import (
     INT32_MAX,
@@ -157,15 +158,6 @@ def check_chat_features(request: ChatCompletionRequest) -> None:
 # ---- tools and structured output
 
 
-def _check_sampling_features(request: SamplingFields) -> None:
-    if request.use_beam_search:
-        raise unsupported("use_beam_search: beam search is not supported", "use_beam_search")
-    if request.length_penalty is not None and request.length_penalty != 1.0:
-        raise unsupported(
-            "length_penalty only applies to beam search, which is not supported", "length_penalty"
-        )
-
-
 # ---- sampling
 
 
@@ -201,9 +193,16 @@ def stop_token_ids(value: list[Any] | None) -> tuple[int, ...]:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens: int | None, logprobs: int | None, is_stream: bool
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    is_stream: bool,
+    has_tools: bool = False,
 ) -> SamplingParams:
-    _check_sampling_features(request)
+    if request.use_beam_search:
+        fields = beam_search_fields(request, has_tools)
+        return _build(request, max_tokens, logprobs, **fields)
+    check_not_beam_only(request)
     n = request.n or 1
     best_of = request.best_of
     temperature = 1.0 if request.temperature is None else request.temperature
@@ -217,11 +216,12 @@ def sampling_params(
         raise invalid(
             "n and best_of above 1 need temperature > 0 (greedy choices would be identical)", "temperature"
         )
+    return _build(request, max_tokens, logprobs, n=n, best_of=best_of, temperature=temperature)
+
+
+def _build(request: SamplingFields, max_tokens: int | None, logprobs: int | None, **fields) -> SamplingParams:
     try:
         return SamplingParams(
-            n=n,
-            best_of=best_of,
-            temperature=temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
             min_p=request.min_p or 0.0,
@@ -237,6 +237,7 @@ def sampling_params(
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
+            **fields,
         )
     except ValueError as e:
         raise invalid(str(e), None) from e
@@ -251,7 +252,12 @@ def chat_sampling_params(request: ChatCompletionRequest, is_stream: bool) -> Sam
         if request.logprobs is False and request.top_logprobs:
             raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = request.top_logprobs or 0
-    return sampling_params(request, min(caps) if caps else None, logprobs, is_stream)
+    constrained_by = None
+    if request.tools and request.tool_choice != "none":
+        constrained_by = "tools"
+    elif request.response_format and request.response_format.get("type") != "text":
+        constrained_by = "response_format"
+    return sampling_params(request, min(caps) if caps else None, logprobs, is_stream, constrained_by)
 
 
 def completion_sampling_params(request: CompletionRequest, is_stream: bool) -> SamplingParams:

@@ -5,6 +5,11 @@ hash chained over every token before it (hash(parent_hash, its tokens)), so equa
 prefixes and the block can be shared. Freed blocks keep their hash and stay findable until the free list
 hands them out again, least recently freed first; that is the prefix cache's LRU eviction.
 
+Forks (beam search, and the n/best_of sequences of one prompt): a child takes a reference on each of its
+parent's blocks instead of a copy. The one block a sequence can still write into, its partial last block, is
+copied on write: when a sequence is about to write into a block someone else also references, it gets a
+fresh block and the engine tells the runner to copy the KV rows over first (`take_copies`).
+
 Pins (explicit prompt caching): a pinned full block holds one reference of its own until its pin expires, so
 it never reaches the free list and survives any eviction pressure. Pins are bounded (`max_num_pinned_blocks`)
 so they can't starve running requests; expiry is read from an injected clock and checked once per step.
@@ -57,6 +62,8 @@ class BlockManager:
         # block id -> when its pin expires (clock time); each pinned block holds one reference for its pin.
         self.pin_expiry: dict[int, float] = {}
         self.num_refused_pin_blocks = 0  # blocks a pin asked for beyond max_num_pinned_blocks (metrics)
+        # (source, destination) block copies owed to the runner before this step's forward pass.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +94,15 @@ class BlockManager:
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
         total_tokens = request.num_computed_tokens + num_cached_blocks * self.block_size + num_new_tokens
         total_blocks = -(-total_tokens // self.block_size)
-        return max(0, total_blocks - len(request.block_ids) - num_cached_blocks)
+        num_copies = 1 if self._shared_write_block(request) is not None else 0
+        return max(0, total_blocks - len(request.block_ids) - num_cached_blocks) + num_copies
+
+    def _shared_write_block(self, request: Request) -> int | None:
+        """Index (in the request's table) of the block its next token lands in, if another sequence shares it."""
+        index = request.num_computed_tokens // self.block_size
+        if index < len(request.block_ids) and self.ref_counts[request.block_ids[index]] > 1:
+            return index
+        return None
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         # Cached blocks that nobody references sit in the free list: taking them shrinks it too.
@@ -107,11 +122,40 @@ class BlockManager:
             num_cached_tokens = len(cached_block_ids) * self.block_size
             request.num_computed_tokens = num_cached_tokens
             self.num_hit_tokens += num_cached_tokens
+        shared_index = self._shared_write_block(request)
+        if shared_index is not None:
+            # Copy on write: the request's next token lands in a block another sequence also holds.
+            source = request.block_ids[shared_index]
+            copy = self._take_free_block()
+            self.pending_copies.append((source, copy))
+            self._dereference(source)
+            request.block_ids[shared_index] = copy
         for _ in range(self.num_blocks_needed(request, num_new_tokens)):
-            block_id, _ = self.free_blocks.popitem(last=False)
-            self._forget_hash(block_id)
-            self.ref_counts[block_id] = 1
-            request.block_ids.append(block_id)
+            request.block_ids.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self._forget_hash(block_id)
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Give `child` the parent's blocks for its first `num_tokens` computed tokens, by reference.
+
+        The child's context must begin with those tokens; it counts them as computed. Writes past them go
+        through copy on write (see `allocate`)."""
+        assert not child.block_ids and num_tokens <= parent.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        for block_id in parent.block_ids[:num_blocks]:
+            self._reference(block_id)
+        child.block_ids = parent.block_ids[:num_blocks]
+        child.block_hashes = parent.block_hashes[: num_tokens // self.block_size]
+        child.num_computed_tokens = num_tokens
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the runner must make before this step's forward pass (and forget them)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Name the request's newly completed blocks in the prefix cache (after their tokens are computed)."""

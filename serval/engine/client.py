@@ -83,7 +83,10 @@ class EngineClient:
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
+        share_prompt_with: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request. share_prompt_with: the id of a request with the same prompt (another of
+        n / best_of sequences) whose prompt blocks this one forks instead of computing them again."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
         self.engine.check_prompt(len(prompt_token_ids), params)  # ValueError with the numbers
@@ -105,6 +108,7 @@ class EngineClient:
                 tuple(eos_token_ids),
                 constraint,
                 num_pinned_prompt_tokens,
+                share_prompt_with,
             )
         )
         finished = False
@@ -186,7 +190,7 @@ class EngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned = command
+            _, request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader = command
             with self._lock:
                 self._num_pending -= 1
                 wanted = request_id in self._streams
@@ -194,7 +198,7 @@ class EngineClient:
                 return  # the caller went away before the engine saw the request
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned
+                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader
                 )
             except ValueError as e:
                 self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))

@@ -10,10 +10,11 @@ import time
 from collections.abc import Callable
 
 from serval.config import EngineConfig
+from serval.engine.beam_search import BeamSearchGroup
 from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
 from serval.engine.outputs import RequestOutput, TokenLogprob
-from serval.engine.request import Request
+from serval.engine.request import Request, RequestStatus
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
@@ -49,6 +50,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.beam_groups: dict[str, BeamSearchGroup] = {}
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
@@ -63,9 +65,12 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
+        share_prompt_with: str | None = None,
     ) -> None:
-        """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed."""
-        if request_id in self.requests:
+        """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed.
+        share_prompt_with: a request with the same prompt (another of n / best_of sequences) whose prompt
+        blocks this one forks once they are computed, instead of computing the prompt itself."""
+        if request_id in self.requests or request_id in self.beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(len(prompt_token_ids), params)
         if not 0 <= num_pinned_prompt_tokens <= len(prompt_token_ids):
@@ -73,10 +78,45 @@ class Engine:
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if params.use_beam_search:
+            if constraint is not None:
+                raise ValueError("beam search can't follow a grammar (one constraint per beam is not kept)")
+            self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids)
+            return
         request = Request(request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint)
         request.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        leader = self.requests.get(share_prompt_with) if share_prompt_with else None
+        if (
+            leader is not None
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+            and leader.prompt_token_ids == request.prompt_token_ids
+        ):
+            leader.followers.append(request)  # scheduled when the leader's prompt is computed
+        else:
+            self.scheduler.add(request)
+
+    def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids):
+        max_new_tokens = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_new_tokens = min(max_new_tokens, params.max_tokens)
+        # A group advances only when all its beams are computed at once, so all must fit together even
+        # unshared (after preemption a beam may recompute into blocks of its own); else it could never finish.
+        block_size = self.block_manager.block_size
+        needed = params.beam_width * -(-(len(prompt) + max_new_tokens) // block_size)
+        usable = self.max_model_len // block_size
+        if needed > usable:
+            raise PromptTooLongError(
+                f"beam search with {params.beam_width} beams of up to {len(prompt) + max_new_tokens} tokens "
+                f"needs {needed} KV blocks; the cache has {usable}: use fewer beams or a smaller max_tokens"
+            )
+        group = BeamSearchGroup(request_id, params, eos_token_ids, len(prompt), max_new_tokens)
+        root = Request(group.next_beam_id(), prompt, params, eos_token_ids)
+        group.add_root(root)
+        group.root = root
+        group.metrics = root.metrics  # the root's prefill timings are the group's
+        self.beam_groups[request_id] = group
+        self.scheduler.add(root)
 
     def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens == 0:
@@ -90,10 +130,18 @@ class Engine:
             )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.beam_groups.pop(request_id, None)
+        if group is not None:
+            for beam in group.running:
+                self.scheduler.finish(beam)
+            return self._beam_output(group, "abort")
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         self.scheduler.finish(request)
+        for follower in request.followers:
+            self.scheduler.add(follower)  # they compute the prompt themselves now
+        request.followers = []
         request.finish_reason = "abort"
         return self._output(request, [], None)
 
@@ -134,6 +182,7 @@ class Engine:
             block_tables=[list(r.block_ids) for r in scheduled.requests],
             sample_indices=sample_indices,
             sampling=rows,
+            block_copies=self.block_manager.take_copies(),
         )
 
     def _update(
@@ -150,13 +199,20 @@ class Engine:
                     request, request.num_pinned_prompt_tokens
                 )
                 request.num_pinned_prompt_tokens = 0
+            if request.followers and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._release_followers(request)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = started
             if request.num_output_tokens == 0:
                 request.metrics.prefill_time_ms += elapsed * 1000.0
         outputs = []
+        reported: dict[str, BeamSearchGroup] = {}
         for row, seq_index in enumerate(batch.sample_indices):
             request = scheduled.requests[seq_index]
+            if request.beam_group is not None:
+                request.beam_group.report(request, sampled.top_logprobs[row])
+                reported[request.beam_group.request_id] = request.beam_group
+                continue
             token_id = sampled.token_ids[row]
             self._record_timing(request, batch_size, started, elapsed, now)
             request.append_token(token_id)
@@ -172,7 +228,70 @@ class Engine:
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
             outputs.append(self._output(request, [token_id], logprob))
+        for group in reported.values():
+            if group.all_reported:
+                self._record_timing(group, batch_size, started, elapsed, now)
+                output = self._advance_beams(group)
+                if output is not None:
+                    outputs.append(output)
         return outputs
+
+    def _release_followers(self, leader: Request) -> None:
+        """The leader's prompt is computed: each follower takes its blocks by reference and recomputes only
+        the last prompt token, which yields its own first logits (copy on write keeps the leader's block)."""
+        for follower in leader.followers:
+            if follower.request_id in self.requests:  # not aborted meanwhile
+                self.block_manager.fork(leader, follower, leader.num_prompt_tokens - 1)
+                self.scheduler.add_running(follower)
+        leader.followers = []
+
+    def _advance_beams(self, group: BeamSearchGroup) -> RequestOutput | None:
+        """Carry out the group's choice: fork beams that continue more than once, drop the rest."""
+        plan = group.advance()
+        if plan.done:
+            for beam, _ in plan.continuations:
+                self.scheduler.finish(beam)  # finish() of a beam already finished is a no-op
+            for beam in plan.dropped:
+                self.scheduler.finish(beam)
+            del self.beam_groups[group.request_id]
+            return self._beam_output(group, None)
+        for beam in plan.dropped:
+            self.scheduler.finish(beam)
+        beams, parents = [], set()
+        for parent, _ in plan.continuations:
+            beams.append(self._fork_beam(group, parent) if parent.request_id in parents else parent)
+            parents.add(parent.request_id)
+        for beam, (_, token_id) in zip(beams, plan.continuations):
+            beam.append_token(token_id)  # after every fork: a fork copies its parent's context as it was
+        group.adopt(beams)
+        return None
+
+    def _fork_beam(self, group: BeamSearchGroup, parent: Request) -> Request:
+        child = Request(
+            group.next_beam_id(), parent.prompt_token_ids, parent.params, tuple(parent.eos_token_ids)
+        )
+        child.token_ids = list(parent.token_ids)
+        if parent.status == RequestStatus.RUNNING:
+            self.block_manager.fork(parent, child, parent.num_computed_tokens)
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)  # the parent was preempted: the fork computes its context anew
+        return child
+
+    def _beam_output(self, group: BeamSearchGroup, finish_reason: str | None) -> RequestOutput:
+        beams = group.results() if finish_reason is None else []
+        return RequestOutput(
+            request_id=group.request_id,
+            new_token_ids=[],
+            new_logprobs=None,
+            num_prompt_tokens=group.num_prompt_tokens,
+            num_cached_tokens=group.root.num_cached_tokens,
+            num_output_tokens=sum(len(b.token_ids) for b in beams),
+            finished=True,
+            finish_reason=finish_reason or (beams[0].finish_reason if beams else "length"),
+            metrics=group.metrics,
+            beams=beams,
+        )
 
     def _record_timing(self, request: Request, batch_size: int, started: float, elapsed: float, now: float):
         m = request.metrics
@@ -202,6 +321,10 @@ class Engine:
 
 def _sampling_row(request: Request) -> SamplingRow:
     p = request.params
+    if request.beam_group is not None:
+        # A beam needs its most likely continuations under the raw distribution, nothing sampled.
+        num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
+        return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
     banned: list[int] = []
     if request.num_output_tokens < p.min_tokens:
         banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))

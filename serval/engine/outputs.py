@@ -47,3 +47,5 @@ class RequestOutput:
     stop_token_id: int | None = None  # the EOS / stop_token_ids entry that finished it, if any
     error: str | None = None  # set with finish_reason "abort" when the engine refused or failed the request
     metrics: RequestMetrics | None = None
+    # A beam search's result (engine/beam_search.py BeamSequence), best first; None for other requests.
+    beams: list | None = None

@@ -53,6 +53,11 @@ class Request:
         self.generator: torch.Generator | None = None
         # Serving's rule on the next token (a grammar's matcher); advanced once per sampled token, in _update.
         self.constraint = constraint
+        # Sequences of the same prompt (n / best_of) that wait to fork this request's prompt blocks once
+        # they are computed, instead of computing the prompt again.
+        self.followers: list[Request] = []
+        # Set on the sequences of a beam search: the group that picks their next tokens (engine/beam_search.py).
+        self.beam_group = None
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)

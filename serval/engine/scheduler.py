@@ -43,6 +43,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request that already holds blocks (a fork of a running one) straight into the batch."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
@@ -51,6 +56,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                index += 1  # a beam that reported and waits for its group's choice (engine/beam_search.py)
+                continue
             if not self._make_room(request, num_new, out, scheduled):
                 continue  # the request itself was preempted; the list shrank under it
             self.block_manager.allocate(request, num_new)

@@ -43,6 +43,8 @@ class Batch:
     block_tables: list[list[int]]  # per sequence: its KV blocks in order
     sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
     sampling: list[SamplingRow]  # one per entry of sample_indices
+    # KV blocks to copy (source, destination) before the forward pass: copy on write of forked sequences.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -113,10 +113,24 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer's K and V rows) from source to destination block ids."""
+        if not copies:
+            return
+        offsets = torch.arange(self.block_size, device=self.device)
+        sources = torch.tensor([s for s, _ in copies], device=self.device)
+        destinations = torch.tensor([d for _, d in copies], device=self.device)
+        source_rows = (sources[:, None] * self.block_size + offsets).flatten()
+        destination_rows = (destinations[:, None] * self.block_size + offsets).flatten()
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
+            v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
+
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """Run the model over the batch; logits (len(sample_indices), vocab_size) float32 of sampled rows."""
         device = self.device
+        self.copy_blocks(batch.block_copies)
         positions: list[int] = []
         for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
             positions.extend(range(num_computed, num_computed + num_new))

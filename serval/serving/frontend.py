@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
 from serval.sampling import SamplingParams
 from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
+from serval.serving.choices import SequencePlan, beam_choice_output, keep_best, plan_sequences
 from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
@@ -31,16 +30,6 @@ from serval.serving.tool_calls import format_for_template
 
 if TYPE_CHECKING:
     from serval.serving.tokenizer import Tokenizer
-
-MAX_SEED = 2**64
-
-
-@dataclass(frozen=True)
-class _Sequence:
-    index: int  # the choice index it produces
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams  # n=1, its own seed, max_tokens resolved
 
 
 class Frontend:
@@ -209,21 +198,11 @@ class Frontend:
 
     # ---- generation
 
-    def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[_Sequence]:
+    def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[SequencePlan]:
         """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
-        num_seqs = max(params.n, params.best_of or 1)
-        # best_of ranks sequences by cumulative logprob, so the engine must report the chosen tokens' ones.
-        logprobs = params.logprobs if params.logprobs is not None or num_seqs == params.n else 0
-        sequences = []
-        for prompt_index, prompt in enumerate(prompts):
-            max_tokens = self.resolve_max_tokens(len(prompt), params.max_tokens, param)
-            for i in range(num_seqs):
-                seed = None if params.seed is None else (params.seed + i) % MAX_SEED
-                seq_params = replace(
-                    params, n=1, best_of=None, seed=seed, max_tokens=max_tokens, logprobs=logprobs
-                )
-                sequences.append(_Sequence(prompt_index * num_seqs + i, prompt_index, prompt, seq_params))
-        return sequences
+        return plan_sequences(
+            prompts, params, lambda prompt: self.resolve_max_tokens(len(prompt), params.max_tokens, param)
+        )
 
     async def generate(
         self,
@@ -241,13 +220,13 @@ class Frontend:
         prompt to pin in the explicit cache (cache_control)."""
         sequences = self.plan(prompts, params, param)
         streams = [
-            ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs, output_plan) for s in sequences
+            ChoiceStream(s.index + k, self.tokenizer, s.params, return_logprobs, output_plan)
+            for s in sequences
+            for k in range(s.num_choices)
         ]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [
-            asyncio.create_task(
-                self._pump(f"{request_id}-{s.index}", s, queue, output_plan, num_pinned_prompt_tokens)
-            )
+            asyncio.create_task(self._pump(request_id, s, queue, output_plan, num_pinned_prompt_tokens))
             for s in sequences
         ]
         loop = asyncio.get_running_loop()
@@ -301,26 +280,34 @@ class Frontend:
 
     async def _pump(
         self,
-        engine_request_id: str,
-        sequence: _Sequence,
+        request_id: str,
+        sequence: SequencePlan,
         queue: asyncio.Queue,
         plan: OutputPlan | None,
         num_pinned_prompt_tokens: int = 0,
     ) -> None:
         # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
         tokenizer = self.tokenizer
-        constraint = plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None
-        outputs = self.engine.generate(
-            engine_request_id,
-            sequence.prompt_token_ids,
-            sequence.params,
-            tokenizer.eos_token_ids,
-            constraint=constraint,
-            num_pinned_prompt_tokens=num_pinned_prompt_tokens,
-        )
-        try:
+        leader = sequence.leader_index
+        outputs = None
+        try:  # NOTE: everything inside, so that whatever fails still ends with the None the caller waits for
+            constraint = plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None
+            outputs = self.engine.generate(
+                f"{request_id}-{sequence.index}",
+                sequence.prompt_token_ids,
+                sequence.params,
+                tokenizer.eos_token_ids,
+                constraint=constraint,
+                num_pinned_prompt_tokens=num_pinned_prompt_tokens,
+                share_prompt_with=None if leader is None else f"{request_id}-{leader}",
+            )
             async for output in outputs:
-                queue.put_nowait((sequence.index, output))
+                if output.beams is None:
+                    queue.put_nowait((sequence.index, output))
+                    continue
+                # Beam search answers once, at the end ("pseudo streaming"): one finished output per beam.
+                for k, beam in enumerate(output.beams):
+                    queue.put_nowait((sequence.index + k, beam_choice_output(output, beam)))
         except QueueFullError as e:
             queue.put_nowait((sequence.index, ServerBusyError(str(e))))
         except EngineDeadError as e:
@@ -330,16 +317,18 @@ class Frontend:
         except Exception as e:  # noqa: BLE001 - reported to the client, never a hang
             queue.put_nowait((sequence.index, EngineError(f"generation failed: {e}")))
         finally:
-            await outputs.aclose()
+            if outputs is not None:
+                await outputs.aclose()
             queue.put_nowait((sequence.index, None))
 
     def _usage(
-        self, prompts: list[list[int]], sequences: list[_Sequence], streams: list[ChoiceStream]
+        self, prompts: list[list[int]], sequences: list[SequencePlan], streams: list[ChoiceStream]
     ) -> Usage:
         # A prompt is counted once however many sequences it has; its cache hits are its first sequence's.
         first_of_prompt: dict[int, ChoiceStream] = {}
-        for sequence, stream in zip(sequences, streams):
-            first_of_prompt.setdefault(sequence.prompt_index, stream)
+        prompt_of_choice = {s.index + k: s.prompt_index for s in sequences for k in range(s.num_choices)}
+        for stream in streams:
+            first_of_prompt.setdefault(prompt_of_choice[stream.index], stream)
         usage = Usage(
             num_prompt_tokens=sum(len(prompt) for prompt in prompts),
             num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
@@ -363,20 +352,3 @@ def _tail(segments: list[Segment], continue_final_message: bool) -> str:
     client = [i for i, segment in enumerate(segments) if segment.is_client_text]
     start = (client[-1] if continue_final_message else client[-1] + 1) if client else 0
     return "".join(segment.text for segment in segments[start:])
-
-
-def keep_best(completion: Completion, params: SamplingParams) -> Completion:
-    """With best_of > n, keep per prompt the n sequences of highest cumulative logprob, re-indexed 0.."""
-    num_seqs = max(params.n, params.best_of or 1)
-    if num_seqs == params.n:
-        return completion
-    chosen = []
-    for start in range(0, len(completion.choices), num_seqs):
-        group = completion.choices[start : start + num_seqs]
-        group.sort(
-            key=lambda c: -math.inf if c.cumulative_logprob is None else c.cumulative_logprob, reverse=True
-        )
-        chosen.extend(group[: params.n])
-    for index, choice in enumerate(chosen):
-        choice.index = index
-    return Completion(chosen, completion.usage)

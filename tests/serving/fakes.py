@@ -66,6 +66,7 @@ class FakeEngine:
         eos_token_ids=(),
         constraint=None,
         num_pinned_prompt_tokens=0,
+        share_prompt_with=None,
     ):
         import asyncio
         import math

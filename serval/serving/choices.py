@@ -1,0 +1,91 @@
+"""How one API request's choices map onto engine requests, and back.
+
+Owns the fan-out: n (or best_of) sampled sequences per prompt, each its own engine request with its own seed,
+the later ones forking the first one's prompt blocks (`share_prompt_with`); or one beam search per prompt
+whose n beams become n choices. And the fold back: keeping the best n of best_of by cumulative logprob.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from serval.engine.beam_search import BeamSequence
+from serval.engine.outputs import RequestOutput
+from serval.sampling import SamplingParams
+from serval.serving.stream import Completion
+
+MAX_SEED = 2**64
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    index: int  # the (first) choice index it produces
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n=1, its own seed, max_tokens resolved (beam search: n and best_of kept)
+    num_choices: int = 1  # a beam search yields its n beams as n choices
+    leader_index: int | None = None  # the sequence of the same prompt whose prompt blocks this one forks
+
+
+def plan_sequences(
+    prompts: list[list[int]], params: SamplingParams, max_tokens_for: Callable[[list[int]], int]
+) -> list[SequencePlan]:
+    """The engine requests for the prompts; max_tokens_for resolves a prompt's max_tokens (and may raise)."""
+    if params.use_beam_search:
+        return [
+            SequencePlan(
+                i * params.n,
+                i,
+                prompt,
+                replace(params, max_tokens=max_tokens_for(prompt)),
+                num_choices=params.n,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+    num_seqs = max(params.n, params.best_of or 1)
+    # best_of ranks sequences by cumulative logprob, so the engine must report the chosen tokens' ones.
+    logprobs = params.logprobs if params.logprobs is not None or num_seqs == params.n else 0
+    sequences = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = max_tokens_for(prompt)
+        first = prompt_index * num_seqs
+        for i in range(num_seqs):
+            seed = None if params.seed is None else (params.seed + i) % MAX_SEED
+            seq_params = replace(
+                params, n=1, best_of=None, seed=seed, max_tokens=max_tokens, logprobs=logprobs
+            )
+            leader = first if i else None
+            sequences.append(SequencePlan(first + i, prompt_index, prompt, seq_params, leader_index=leader))
+    return sequences
+
+
+def beam_choice_output(output: RequestOutput, beam: BeamSequence) -> RequestOutput:
+    """A beam search's beam as the finished output of a choice of its own."""
+    return replace(
+        output,
+        new_token_ids=beam.token_ids,
+        new_logprobs=beam.logprobs,
+        num_output_tokens=len(beam.token_ids),
+        finish_reason=beam.finish_reason,
+        stop_token_id=beam.stop_token_id,
+        beams=None,
+    )
+
+
+def keep_best(completion: Completion, params: SamplingParams) -> Completion:
+    """With best_of > n, keep per prompt the n sequences of highest cumulative logprob, re-indexed 0.."""
+    num_seqs = max(params.n, params.best_of or 1)
+    if num_seqs == params.n or params.use_beam_search:  # beams come ranked, n of them
+        return completion
+    chosen = []
+    for start in range(0, len(completion.choices), num_seqs):
+        group = completion.choices[start : start + num_seqs]
+        group.sort(
+            key=lambda c: -math.inf if c.cumulative_logprob is None else c.cumulative_logprob, reverse=True
+        )
+        chosen.extend(group[: params.n])
+    for index, choice in enumerate(chosen):
+        choice.index = index
+    return Completion(chosen, completion.usage)
