@@ -59,11 +59,8 @@ def beam_search_fields(request: SamplingFields, constrained_by: str | None = Non
             "beam search ranks beams by log-probability: repetition_penalty does not apply",
             "repetition_penalty",
         )
-    if (
-        request.early_stopping not in (None, True, False, "never")
-        or isinstance(request.early_stopping, int | float)
-        and not isinstance(request.early_stopping, bool)
-    ):
+    stopping = request.early_stopping
+    if not (stopping is None or isinstance(stopping, bool) or stopping == "never"):
         raise invalid('early_stopping must be true, false or "never"', "early_stopping")
     n = request.n or 1
     width = max(n, request.best_of or 1)
