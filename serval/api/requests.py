@@ -197,10 +197,11 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     is_stream: bool,
-    has_tools: bool = False,
+    constrained_by: str | None = None,
 ) -> SamplingParams:
+    """constrained_by: the chat parameter that puts a grammar on the output (tools, response_format)."""
     if request.use_beam_search:
-        fields = beam_search_fields(request, has_tools)
+        fields = beam_search_fields(request, constrained_by)
         return _build(request, max_tokens, logprobs, **fields)
     check_not_beam_only(request)
     n = request.n or 1
