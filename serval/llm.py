@@ -2,19 +2,21 @@
 
 It drives the Engine in the caller's thread (no server, no event loop) and turns token ids into text with
 the model's tokenizer, through the same incremental detokenizer and stop-string matcher as the server
-(serving/stream.py). `n > 1` runs n engine requests; a stop string ends a request at its first match.
+(serving/stream.py), and the same fan-out (serving/choices.py): n / best_of sequences that fork the first
+one's prompt blocks, or a beam search. A stop string ends a request at its first match.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
-from serval.engine.outputs import TokenLogprob
+from serval.engine.outputs import RequestOutput, TokenLogprob
 from serval.sampling import SamplingParams
+from serval.serving.choices import beam_choice_output, plan_sequences
 from serval.serving.stream import ChoiceStream
 from serval.serving.tokenizer import Tokenizer
 
@@ -104,22 +106,31 @@ class LLM:
             prompt_text, prompt_ids = self._prompt_ids(prompt)
             result = GenerationOutput(str(self._next_id), prompt_text, prompt_ids, [])
             self._next_id += 1
-            for i in range(params.n):
-                choice_params = params
-                if params.seed is not None and i > 0:
-                    # Each choice draws from its own seeded stream, so n choices differ yet reproduce.
-                    choice_params = _replace_seed(params, params.seed + i)
-                engine_id = f"{result.request_id}-{i}"
-                self.engine.add_request(engine_id, prompt_ids, choice_params, self.tokenizer.eos_token_ids)
-                stream = ChoiceStream(i, self.tokenizer, choice_params, return_logprobs=False)
-                choices[engine_id] = (result, _Choice(i, choice_params, stream=stream))
-            results.append(result)
+            # The server's fan-out: n / best_of sequences forking the first one's prompt, or one beam search.
+            max_tokens = params.max_tokens
+            for seq in plan_sequences([prompt_ids], params, lambda _, cap=max_tokens: cap):
+                engine_id = f"{result.request_id}-{seq.index}"
+                leader = None if seq.leader_index is None else f"{result.request_id}-{seq.leader_index}"
+                eos = self.tokenizer.eos_token_ids
+                self.engine.add_request(engine_id, prompt_ids, seq.params, eos, share_prompt_with=leader)
+                choices[engine_id] = (
+                    result,
+                    [
+                        _Choice(
+                            seq.index + k,
+                            seq.params,
+                            stream=ChoiceStream(seq.index + k, self.tokenizer, seq.params, False),
+                        )
+                        for k in range(seq.num_choices)
+                    ],
+                )
+            results.append((result, params))
         self._run(choices, use_tqdm)
-        for result, choice in choices.values():
-            result.outputs.append(_to_completion(choice))
-        for result in results:
-            result.outputs.sort(key=lambda c: c.index)
-        return results
+        for result, choice_list in choices.values():
+            result.outputs.extend(_to_completion(choice) for choice in choice_list)
+        for result, params in results:
+            _keep_best(result, params)
+        return [result for result, _ in results]
 
     def _prompt_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -129,29 +140,48 @@ class LLM:
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.add_bos_token)
 
     def _run(self, choices: dict, use_tqdm: bool) -> None:
-        with tqdm(total=len(choices), desc="generating", unit="seq", disable=not use_tqdm) as bar:
+        total = sum(len(choice_list) for _, choice_list in choices.values())
+        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    result, choice = choices[output.request_id]
-                    if output.new_logprobs is not None:
-                        choice.logprobs = (choice.logprobs or []) + output.new_logprobs
-                    choice.token_ids.extend(output.new_token_ids)
+                    result, choice_list = choices[output.request_id]
                     result.num_cached_tokens = output.num_cached_tokens
-                    delta = choice.stream.feed(output)
-                    if delta is None:
-                        continue  # ended earlier by a stop string
-                    choice.text += delta.text
-                    if choice.stream.is_finished:
-                        choice.finish_reason = choice.stream.finish_reason
-                        matched = choice.stream.stop_matcher.matched
-                        choice.stop_reason = matched if matched is not None else output.stop_token_id
-                        if not output.finished:
-                            self.engine.abort_request(output.request_id)  # a stop string matched
-                        bar.update(1)
+                    if output.beams is None:
+                        bar.update(self._feed(choice_list[0], output))
+                        continue
+                    for choice, beam in zip(choice_list, output.beams):  # a beam search ends all at once
+                        bar.update(self._feed(choice, beam_choice_output(output, beam)))
+
+    def _feed(self, choice: _Choice, output: RequestOutput) -> int:
+        """Fold one engine output into its choice; 1 when that finished the choice (for the progress bar)."""
+        if output.new_logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + output.new_logprobs
+        choice.token_ids.extend(output.new_token_ids)
+        delta = choice.stream.feed(output)
+        if delta is None:
+            return 0  # ended earlier by a stop string
+        choice.text += delta.text
+        if not choice.stream.is_finished:
+            return 0
+        choice.finish_reason = choice.stream.finish_reason
+        matched = choice.stream.stop_matcher.matched
+        choice.stop_reason = matched if matched is not None else output.stop_token_id
+        if not output.finished:
+            self.engine.abort_request(output.request_id)  # a stop string matched
+        return 1
 
 
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed)
+def _keep_best(result: GenerationOutput, params: SamplingParams) -> None:
+    """best_of > n: keep the n outputs of highest cumulative logprob (re-indexed); logprobs only if asked."""
+    result.outputs.sort(key=lambda c: c.index)
+    if params.use_beam_search or max(params.n, params.best_of or 1) == params.n:
+        return
+    ranked = sorted(result.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
+    for index, output in enumerate(ranked):
+        output.index = index
+        if params.logprobs is None:
+            output.logprobs = None
+    result.outputs = ranked
 
 
 def _to_completion(choice: _Choice) -> CompletionOutput:

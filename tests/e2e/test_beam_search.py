@@ -68,7 +68,13 @@ def test_stream_is_pseudo_streaming_with_the_same_beams(server, beams):
 
 
 def test_completions_endpoint_beam_search(server):
-    body = {"model": server.model, "prompt": "The capital of France is", "n": 2, "max_tokens": 6, **BEAM_FIELDS}
+    body = {
+        "model": server.model,
+        "prompt": "The capital of France is",
+        "n": 2,
+        "max_tokens": 6,
+        **BEAM_FIELDS,
+    }
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     texts = [c["text"] for c in response.json()["choices"]]

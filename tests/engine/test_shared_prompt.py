@@ -62,3 +62,17 @@ def test_followers_of_an_aborted_leader_compute_the_prompt_themselves(engine):
         finished.update(o.request_id for o in engine.step() if o.finished)
     assert finished == {"x-1"}
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_offline_llm_best_of_and_beam_search(tiny_model_factory):
+    from serval.llm import LLM
+
+    llm = LLM(tiny_model_factory("llama")[0], dtype="float32", num_kv_blocks=64)
+    prompt = {"prompt_token_ids": PROMPTS["partial-block"]}
+    [sampled] = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=1, max_tokens=5))
+    assert [o.index for o in sampled.outputs] == [0, 1]
+    assert sampled.outputs[0].cumulative_logprob >= sampled.outputs[1].cumulative_logprob
+    assert all(o.logprobs is None for o in sampled.outputs)  # ranked by logprobs, not asked for
+    [beams] = llm.generate(prompt, SamplingParams(n=3, temperature=0.0, max_tokens=5, use_beam_search=True))
+    assert len(beams.outputs) == 3 and len({tuple(o.token_ids) for o in beams.outputs}) == 3
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
