@@ -239,10 +239,15 @@ class Engine:
     def _release_followers(self, leader: Request) -> None:
         """The leader's prompt is computed: each follower takes its blocks by reference and recomputes only
         the last prompt token, which yields its own first logits (copy on write keeps the leader's block)."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
         for follower in leader.followers:
-            if follower.request_id in self.requests:  # not aborted meanwhile
+            if follower.request_id not in self.requests:
+                continue  # aborted meanwhile
+            if len(self.scheduler.running) < max_num_seqs:
                 self.block_manager.fork(leader, follower, leader.num_prompt_tokens - 1)
                 self.scheduler.add_running(follower)
+            else:
+                self.scheduler.add(follower)  # no room in the batch: it queues, and finds the prefix cached
         leader.followers = []
 
     def _advance_beams(self, group: BeamSearchGroup) -> RequestOutput | None:
