@@ -12,11 +12,13 @@ from collections.abc import Callable
 from serval.config import EngineConfig
 from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
+from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
 from serval.engine.request import Request
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
+from serval.runner.lora import LoraAdapter
 from serval.runner.runner import ModelRunner
 from serval.sampling import SamplingParams
 
@@ -35,7 +37,7 @@ class Engine:
         # clock: what pin expiry is measured against; tests pass a fake one to skip five minutes.
         self.config = config
         self.source = source or resolve_model(config.model.model)
-        self.runner = ModelRunner(config.model, config.cache, self.source)
+        self.runner = ModelRunner(config.model, config.cache, self.source, config.lora)
         info = self.runner.info
         cache = config.cache
         max_num_pinned = (
@@ -52,6 +54,13 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        self.loras = LoraRegistry(info.max_loras)
+        for module in config.lora.lora_modules:
+            try:
+                adapter = self.runner.read_lora(module.path)
+            except ValueError as e:
+                raise LoraError(f"cannot load the LoRA adapter {module.name!r}: {e}") from e
+            self.add_lora(module.name, adapter, module.base_model_name)
 
     # ---- requests in and out
 
@@ -63,8 +72,10 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed."""
+        """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed.
+        lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(len(prompt_token_ids), params)
@@ -73,7 +84,10 @@ class Engine:
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint)
+        lora = None if lora_name is None else self.loras.get(lora_name)
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint, lora=lora
+        )
         request.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -96,6 +110,26 @@ class Engine:
         self.scheduler.finish(request)
         request.finish_reason = "abort"
         return self._output(request, [], None)
+
+    # ---- LoRA adapters (engine/lora.py); the weights go into runner slots
+
+    def add_lora(self, name: str, adapter: LoraAdapter, base_model_name: str | None = None) -> LoraCard:
+        """Load an adapter read by `runner.read_lora` (on any thread) into a free slot."""
+        card = self.loras.add(name, adapter.path, base_model_name)
+        self.runner.load_lora(card.slot, adapter)
+        return card
+
+    def remove_lora(self, name: str) -> LoraCard:
+        """Unload an adapter. NOTE: refused while a request uses it (LoraConflictError) rather than
+        finishing them first: an unload never cuts a generation short, and the caller decides when to retry."""
+        card = self.loras.get(name)
+        num_using = sum(1 for request in self.requests.values() if request.lora is card)
+        if num_using:
+            raise LoraConflictError(
+                f"the LoRA adapter {name!r} is in use by {num_using} request(s); retry once they finish"
+            )
+        self.runner.unload_lora(card.slot)
+        return self.loras.remove(name)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -127,6 +161,9 @@ class Engine:
             if num_computed + num_new == request.num_tokens:
                 sample_indices.append(i)
                 rows.append(_sampling_row(request))
+        lora_slots = []
+        if any(r.lora is not None for r in scheduled.requests):
+            lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
         return Batch(
             token_ids=token_ids,
             num_new_tokens=list(scheduled.num_new_tokens),
@@ -134,6 +171,7 @@ class Engine:
             block_tables=[list(r.block_ids) for r in scheduled.requests],
             sample_indices=sample_indices,
             sampling=rows,
+            lora_slots=lora_slots,
         )
 
     def _update(

@@ -43,6 +43,9 @@ class Batch:
     block_tables: list[list[int]]  # per sequence: its KV blocks in order
     sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
     sampling: list[SamplingRow]  # one per entry of sample_indices
+    # Per sequence: the LoRA adapter slot it runs with, -1 for the base model (the engine fills it from the
+    # request's adapter). Empty: every sequence runs on the base model.
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -19,10 +19,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
+from serval.engine.lora import UnknownLoraError
 from serval.sampling import SamplingParams
 from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
-from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
+from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
 from serval.serving.stream import ChoiceStream, Completion, Event, Usage, fold
@@ -64,6 +66,7 @@ class Frontend:
         self.max_iter_times = max_iter_times
         self.tool_format = format_for_template(source, tool_call_format)
         self.grammars = GrammarCompiler(tokenizer)  # xgrammar is imported on the first structured request
+        self.loras = LoraAdapters(engine)
 
     @property
     def max_model_len(self) -> int:
@@ -235,10 +238,12 @@ class Frontend:
         param: str = "messages",
         output_plan: OutputPlan | None = None,
         num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[Event]:
         """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
         aborts every engine request still running. num_pinned_prompt_tokens: the leading tokens of every
-        prompt to pin in the explicit cache (cache_control)."""
+        prompt to pin in the explicit cache (cache_control). lora_name: the LoRA adapter to generate with
+        (ModelNotFoundError if it is not loaded); None: the base model."""
         sequences = self.plan(prompts, params, param)
         streams = [
             ChoiceStream(s.index, self.tokenizer, s.params, return_logprobs, output_plan) for s in sequences
@@ -246,7 +251,14 @@ class Frontend:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [
             asyncio.create_task(
-                self._pump(f"{request_id}-{s.index}", s, queue, output_plan, num_pinned_prompt_tokens)
+                self._pump(
+                    f"{request_id}-{s.index}",
+                    s,
+                    queue,
+                    output_plan,
+                    num_pinned_prompt_tokens,
+                    lora_name=lora_name,
+                )
             )
             for s in sequences
         ]
@@ -306,6 +318,7 @@ class Frontend:
         queue: asyncio.Queue,
         plan: OutputPlan | None,
         num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
         tokenizer = self.tokenizer
@@ -317,10 +330,13 @@ class Frontend:
             tokenizer.eos_token_ids,
             constraint=constraint,
             num_pinned_prompt_tokens=num_pinned_prompt_tokens,
+            lora_name=lora_name,
         )
         try:
             async for output in outputs:
                 queue.put_nowait((sequence.index, output))
+        except UnknownLoraError as e:  # unloaded after the API checked the name
+            queue.put_nowait((sequence.index, ModelNotFoundError(str(e), "model")))
         except QueueFullError as e:
             queue.put_nowait((sequence.index, ServerBusyError(str(e))))
         except EngineDeadError as e:
