@@ -31,7 +31,10 @@ def main() -> None:
     config["torch_dtype"] = "bfloat16"
     with open(os.path.join(args.out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    tensors = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in iter_gguf_weights(source.path, reader)}
+    tensors = {
+        name: tensor.to(torch.bfloat16).contiguous()
+        for name, tensor in iter_gguf_weights(source.path, reader)
+    }
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, os.path.join(args.out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -27,7 +27,49 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-WORDS = ["river", "mountain", "quiet", "engine", "paper", "orange", "window", "system", "garden", "market", "silver", "answer", "winter", "carbon", "signal", "theory", "harbor", "violet", "number", "forest", "planet", "bridge", "letter", "summer", "castle", "motion", "copper", "island", "pattern", "museum", "cotton", "rocket", "valley", "lantern", "circle", "meadow", "thunder", "crystal", "marble", "anchor", "velvet"]
+WORDS = [
+    "river",
+    "mountain",
+    "quiet",
+    "engine",
+    "paper",
+    "orange",
+    "window",
+    "system",
+    "garden",
+    "market",
+    "silver",
+    "answer",
+    "winter",
+    "carbon",
+    "signal",
+    "theory",
+    "harbor",
+    "violet",
+    "number",
+    "forest",
+    "planet",
+    "bridge",
+    "letter",
+    "summer",
+    "castle",
+    "motion",
+    "copper",
+    "island",
+    "pattern",
+    "museum",
+    "cotton",
+    "rocket",
+    "valley",
+    "lantern",
+    "circle",
+    "meadow",
+    "thunder",
+    "crystal",
+    "marble",
+    "anchor",
+    "velvet",
+]
 
 
 @dataclass

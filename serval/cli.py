@@ -1,4 +1,5 @@
-"""The `serval` command: argv (and the SERVAL_API_KEY environment variable) are read here and nowhere else.
+"""The `serval` command: argv (and the SERVAL_API_KEY and SERVAL_ADMIN_API_KEY environment variables) are read
+here and nowhere else.
 
 Owns turning options into frozen configs. Options come in three layers, later ones winning: the built-in
 defaults of the config dataclasses, a MindIE-style config.json given with --config, and the flags themselves
@@ -8,6 +9,7 @@ defaults of the config dataclasses, a MindIE-style config.json given with --conf
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -15,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import ServerConfig, read_mindie_config
 from serval.serving.chat_template import ChatTemplate
@@ -31,6 +33,44 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
     number, unit, _ = match.groups()
     return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
+
+
+def lora_module(text: str) -> LoraModule:
+    """vLLM's --lora-modules forms: 'name=path', or JSON {"name", "path", "base_model_name"}."""
+    try:
+        if text.lstrip().startswith("{"):
+            fields = json.loads(text)
+            if not isinstance(fields, dict) or set(fields) - {"name", "path", "base_model_name"}:
+                raise ValueError('the JSON form has the keys "name", "path" and "base_model_name"')
+            return LoraModule(
+                fields.get("name") or "", fields.get("path") or "", fields.get("base_model_name")
+            )
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError("expected name=path")
+        return LoraModule(name.strip(), path.strip())
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
+
+
+def _add_lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reserve LoRA adapter slots (implied by --lora-modules)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help='adapters to load at start: name=path or {"name": .., "path": .., "base_model_name": ..}',
+    )
+    p.add_argument("--max-loras", type=int, help="adapters loaded at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
+    p.add_argument("--admin-api-key", action="append", help="bearer token of the admin routes; repeatable")
 
 
 def _add_serve_parser(subparsers: Any) -> None:
@@ -72,6 +112,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    _add_lora_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +130,9 @@ def merged_options(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in vars(args).items():
         if value is not None and name not in ("command", "config", "model_tag"):
             options[name] = value
-    if "api_key" not in options and os.environ.get("SERVAL_API_KEY"):
-        options["api_key"] = [k for k in os.environ["SERVAL_API_KEY"].split(",") if k]
+    for name, variable in (("api_key", "SERVAL_API_KEY"), ("admin_api_key", "SERVAL_ADMIN_API_KEY")):
+        if name not in options and os.environ.get(variable):
+            options[name] = [k for k in os.environ[variable].split(",") if k]
     return options
 
 
@@ -113,7 +155,12 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
         **_pick(options, {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                           "max_queue_len": "max_queue_len"})
     )  # fmt: skip
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+    lora = LoraConfig(
+        **_pick(options, {"enable_lora": "enable_lora", "max_loras": "max_loras",
+                          "max_lora_rank": "max_lora_rank"}),
+        lora_modules=tuple(options.get("lora_modules") or ()),
+    )  # fmt: skip
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora)
 
 
 def server_config(options: dict[str, Any], default_model_name: str) -> ServerConfig:
@@ -126,6 +173,10 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     )  # fmt: skip
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
     fields["api_keys"] = tuple(options.get("api_key") or ())
+    fields["admin_api_keys"] = tuple(options.get("admin_api_key") or ())
+    for module in options.get("lora_modules") or ():
+        if module.name in fields["served_model_names"]:
+            raise ValueError(f"the LoRA module {module.name!r} has the base model's name")
     template = options.get("chat_template")
     if template is not None:
         if os.path.isfile(template):
@@ -146,12 +197,15 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
 
     from serval.api.app import build_app
     from serval.engine.client import EngineClient
+    from serval.engine.lora import LoraError
     from serval.serving.frontend import Frontend
     from serval.serving.tokenizer import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_source(source)
         client = EngineClient.start(engine)
+    except LoraError as e:
+        sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
         # A corrupt file, an unknown architecture or quantization type: one line, not a traceback.
         sys.exit(f"serval: error: cannot load the model {source.path}: {e}")

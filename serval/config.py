@@ -71,7 +71,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraModule:
+    """An adapter to load at start-up (`--lora-modules name=path`, MindIE's LoraModules)."""
+
+    name: str  # what clients put in `model`
+    path: str  # a PEFT directory: adapter_config.json + adapter_model.safetensors
+    base_model_name: str | None = None  # the `parent` /v1/models reports; None: the served model's name
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError("a LoRA module needs a non-empty name and path")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # Adapter slots are preallocated (max_loras * max_lora_rank per targeted matrix), so LoRA costs memory
+    # only when asked for: with --enable-lora, or implied by adapters given at start-up.
+    enable_lora: bool = False
+    # Adapters loaded at once; every loaded adapter owns a slot, and all may share one batch.
+    max_loras: int = 4
+    # Largest adapter rank accepted; the slots are sized for it.
+    max_lora_rank: int = 16
+    lora_modules: tuple[LoraModule, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be unique, got {names}")
+        if len(names) > self.max_loras:
+            raise ValueError(f"{len(names)} LoRA modules given but max_loras is {self.max_loras}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    lora: LoraConfig = LoraConfig()

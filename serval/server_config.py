@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from serval.config import LoraModule
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -24,6 +26,9 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ("default",)
     # Accepted bearer tokens; empty: no authentication.
     api_keys: tuple[str, ...] = ()
+    # Bearer tokens for the admin routes (run-time LoRA loading), also accepted as API keys. With no key of
+    # either kind the admin routes are open; with API keys but no admin key they are closed.
+    admin_api_keys: tuple[str, ...] = ()
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     # Largest request body accepted (MindIE: messages up to 4 MB); beyond it the answer is 413.
@@ -49,7 +54,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.served_model_names or any(not name for name in self.served_model_names):
             raise ValueError("served model names must be non-empty strings")
-        if any(not key for key in self.api_keys):
+        if any(not key for key in self.api_keys + self.admin_api_keys):
             raise ValueError("an API key must not be empty")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
@@ -151,4 +156,22 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         npu_mem_gib = _typed(models[0], "npuMemSize", int, "ModelConfig[0]")
         if npu_mem_gib is not None and npu_mem_gib > 0:  # -1: automatic
             options["kv_cache_memory_bytes"] = npu_mem_gib * GIB
+    lora_modules = deploy.get("LoraModules", data.get("LoraModules"))
+    if lora_modules is not None:
+        options["lora_modules"] = _lora_modules(lora_modules, base_dir)
     return {key: value for key, value in options.items() if value is not None}
+
+
+def _lora_modules(entries: Any, base_dir: str) -> list[LoraModule]:
+    # MindIE: [{"name", "path", "baseModelName"}]; vLLM's JSON spelling base_model_name is accepted too.
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("config file: LoraModules must be a list of objects with name and path")
+    modules = []
+    for i, entry in enumerate(entries):
+        where = f"LoraModules[{i}]"
+        name, path = _typed(entry, "name", str, where), _typed(entry, "path", str, where)
+        if not name or not path:
+            raise ValueError(f"config file: {where} needs a name and a path")
+        base = _typed(entry, "baseModelName", str, where) or _typed(entry, "base_model_name", str, where)
+        modules.append(LoraModule(name, _relative_to(base_dir, path), base))
+    return modules

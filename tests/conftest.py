@@ -24,3 +24,22 @@ def tiny_model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_factory(tmp_path_factory, tiny_model_factory):
+    """(adapter name in tests.fixtures.lora_adapters.ADAPTERS, architecture) -> (directory, PEFT model);
+    adapters of the untied tiny model, each written once."""
+    from tests.fixtures.lora_adapters import ADAPTERS, write_peft_adapter
+
+    made: dict = {}
+
+    def make(name: str, architecture: str = "llama"):
+        key = (name, architecture)
+        if key not in made:
+            _, reference = tiny_model_factory(architecture, False)
+            directory = str(tmp_path_factory.mktemp(f"lora-{architecture}-{name}"))
+            made[key] = (directory, write_peft_adapter(reference, directory, ADAPTERS[name]))
+        return made[key]
+
+    return make

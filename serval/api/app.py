@@ -17,24 +17,24 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from serval.api import requests as req
 from serval.api.auth import APIKeyAuth
+from serval.api.body import parse, read_body
 from serval.api.chat_options import chat_options
-from serval.api.errors import APIError, from_serving, from_validation, install_error_handlers
+from serval.api.errors import APIError, from_serving, install_error_handlers
+from serval.api.lora_routes import ADMIN_PATHS, add_lora_routes, lora_model_card
 from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
 from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
 from serval.server_config import ServerConfig
 from serval.serving.choices import keep_best
-from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
 from serval.serving.frontend import Frontend
 from serval.serving.stream import ChoiceDelta, Completion, Event, Usage, fold
 
 T = TypeVar("T")
-Schema = TypeVar("Schema", bound=BaseModel)
 
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics do
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -47,37 +47,13 @@ ROUTES = frozenset(
         "/tokenize",
         "/detokenize",
         "/metrics",
+        *ADMIN_PATHS,
     }
 )
 
 
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(
-            413, f"the request body is {declared} bytes; the limit is {limit}", None, "request_too_large"
-        )
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(
-                413, f"the request body exceeds the limit of {limit} bytes", None, "request_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse(schema: type[Schema], body: bytes) -> Schema:
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation(list(e.errors())) from e
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -106,9 +82,13 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     install_error_handlers(app)
 
     def check_model(name: str | None) -> str:
-        if name is not None and name not in config.served_model_names:
+        """The model a request names (the base model's or a loaded LoRA adapter's), or 404."""
+        if name is not None and name not in config.served_model_names and name not in frontend.loras:
             raise APIError(404, f"the model {name!r} does not exist here", "model", "model_not_found")
         return name or config.model_name
+
+    def lora_of(model: str) -> str | None:
+        return None if model in config.served_model_names else model
 
     async def observed(events: AsyncIterator[Event], arrival: float) -> AsyncIterator[Event]:
         is_first = True
@@ -142,7 +122,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         except ClientGone:
             # The cancelled task already closed the generation (its engine requests are aborted).
             return Response(status_code=STATUS_CLIENT_GONE)
-        except (InvalidRequestError, ServerBusyError, EngineError) as e:
+        except (InvalidRequestError, ModelNotFoundError, ServerBusyError, EngineError) as e:
             await events.aclose()
             raise from_serving(e) from e
 
@@ -174,6 +154,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             config.request_timeout,
             output_plan=output,
             num_pinned_prompt_tokens=num_pinned,
+            lora_name=lora_of(model),
         )
         fmt = StreamFormat(
             request_id, created, model, params.n, usage_mode(chat.stream_options), config.full_text_enabled
@@ -218,8 +199,9 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         events = frontend.generate(
-            request_id, prompts, params, params.logprobs is not None, config.request_timeout, "prompt"
-        )
+            request_id, prompts, params, params.logprobs is not None, config.request_timeout, "prompt",
+            lora_name=lora_of(model),
+        )  # fmt: skip
         fmt = StreamFormat(
             request_id, created, model, params.n * len(prompts), usage_mode(body.stream_options),
             config.full_text_enabled, is_chat=False, echoes=echoes,
@@ -234,11 +216,18 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+        cards = [model_card(name) for name in config.served_model_names]
+        cards += [lora_model_card(c, config, started, frontend.max_model_len) for c in frontend.loras.cards()]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict[str, Any]:
-        return model_card(check_model(name))
+        if lora_of(name) is None:
+            return model_card(name)
+        card = frontend.loras.get(name)
+        if card is None:
+            raise APIError(404, f"the model {name!r} does not exist here", "model", "model_not_found")
+        return lora_model_card(card, config, started, frontend.max_model_len)
 
     def model_card(name: str) -> dict[str, Any]:
         return {
@@ -247,6 +236,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             "created": started,
             "owned_by": "serval",
             "root": config.model_name,
+            "parent": None,
             "max_model_len": frontend.max_model_len,
         }
 
@@ -287,9 +277,12 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_lora_routes(app, config, frontend)
     app.state.metrics = metrics
     app.state.frontend = frontend
     # Outermost first: count every status (401s included), then authenticate.
-    app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
+    app.add_middleware(
+        APIKeyAuth, api_keys=config.api_keys, admin_keys=config.admin_api_keys, admin_paths=ADMIN_PATHS
+    )
     app.add_middleware(StatusCounter, metrics=metrics, known_paths=ROUTES)
     return app

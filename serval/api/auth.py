@@ -1,6 +1,9 @@
-"""API-key authentication: `Authorization: Bearer <key>` on every route but /health.
+"""API-key authentication: `Authorization: Bearer <key>` on every route but /health, and admin keys on the
+admin routes (run-time LoRA loading).
 
-Owns the comparison: every configured key is compared with hmac.compare_digest (constant time, and all keys
+An admin key is also accepted wherever an API key is. Admin routes are open only when no key of either kind
+is configured (a server without keys trusts its network); once any key is, they need an admin key: 401
+without a valid key, 403 with an API key that is not an admin's. Owns the comparison: every configured key is compared with hmac.compare_digest (constant time, and all keys
 always, so timing does not tell which key nearly matched). A pure ASGI middleware so that it runs before the
 body is read and leaves streamed responses alone.
 """
@@ -31,12 +34,20 @@ def is_authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
 
 
 class APIKeyAuth:
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...],
+        admin_keys: tuple[str, ...] = (),
+        admin_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.api_keys = api_keys
+        self.admin_keys = admin_keys
+        self.admin_paths = admin_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.api_keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = None
@@ -44,15 +55,29 @@ class APIKeyAuth:
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
-        if is_authorized(header, self.api_keys):
+        if scope["path"] in self.admin_paths:
+            if not (self.api_keys or self.admin_keys) or is_authorized(header, self.admin_keys):
+                await self.app(scope, receive, send)
+            elif is_authorized(header, self.api_keys):
+                await _refuse(
+                    send, 403, "this route needs an admin key (--admin-api-key)", "admin_key_required"
+                )
+            else:
+                await _refuse(send, 401, _why(header), "invalid_api_key")
+        elif not self.api_keys or is_authorized(header, self.api_keys + self.admin_keys):
             await self.app(scope, receive, send)
-            return
-        message = "missing API key: send Authorization: Bearer <key>" if header is None else "invalid API key"
-        body = json.dumps(error_body(401, message, None, "invalid_api_key")).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        else:
+            await _refuse(send, 401, _why(header), "invalid_api_key")
+
+
+def _why(header: str | None) -> str:
+    return "missing API key: send Authorization: Bearer <key>" if header is None else "invalid API key"
+
+
+async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

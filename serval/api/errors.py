@@ -2,8 +2,9 @@
 code}}.
 
 Owns the mapping from what went wrong to a status: a malformed or invalid request is a 400 (FastAPI's 422 is
-turned into 400, as OpenAI answers), an unknown model 404, a missing key 401, too large a body 413, a full
-queue 429 with Retry-After. Nothing reaches the client as a traceback; an unexpected exception is logged and
+turned into 400, as OpenAI answers), an unknown model or adapter 404, a missing key 401 (a non-admin key on an
+admin route 403), a LoRA adapter in use or no free adapter slot 409, too large a body 413, a full queue 429
+with Retry-After. Nothing reaches the client as a traceback; an unexpected exception is logged and
 answered with a plain 500 body.
 """
 
@@ -18,7 +19,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.errors import (
+    ConflictError,
+    EngineError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ServerBusyError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +38,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
@@ -75,6 +83,10 @@ def from_serving(error: Exception) -> APIError:
     """The APIError for an exception raised below the HTTP layer."""
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), error.param, "invalid_value")
+    if isinstance(error, ModelNotFoundError):
+        return APIError(404, str(error), error.param, "model_not_found")
+    if isinstance(error, ConflictError):
+        return APIError(409, str(error), None, "conflict")
     if isinstance(error, ServerBusyError):
         return APIError(
             429,
@@ -149,4 +161,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(InvalidRequestError, on_unexpected)
     app.add_exception_handler(ServerBusyError, on_unexpected)
+    app.add_exception_handler(ModelNotFoundError, on_unexpected)
+    app.add_exception_handler(ConflictError, on_unexpected)
     app.add_exception_handler(Exception, on_unexpected)

@@ -2,8 +2,10 @@
 
 A block holds `block_size` consecutive tokens of one or more requests' contexts. A full block is named by a
 hash chained over every token before it (hash(parent_hash, its tokens)), so equal hashes mean equal
-prefixes and the block can be shared. Freed blocks keep their hash and stay findable until the free list
-hands them out again, least recently freed first; that is the prefix cache's LRU eviction.
+prefixes and the block can be shared. The chain of a request with a LoRA adapter starts from the adapter's
+seed instead of b"": its blocks hold other keys and values, and must never be shared with another adapter's
+or the base model's. Freed blocks keep their hash and stay findable until the free list hands them out
+again, least recently freed first; that is the prefix cache's LRU eviction.
 
 Forks (beam search, and the n/best_of sequences of one prompt): a child takes a reference on each of its
 parent's blocks instead of a copy. The one block a sequence can still write into, its partial last block, is
@@ -81,7 +83,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        block_ids, parent = [], b""
+        block_ids, parent = [], request.block_hash_seed
         for i in range(max_blocks):
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = hash_block(parent, tokens)
@@ -163,7 +165,7 @@ class BlockManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else b""
+            parent = request.block_hashes[-1] if request.block_hashes else request.block_hash_seed
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block(parent, tokens)
             request.block_hashes.append(block_hash)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from serval.config import EngineConfig
 from serval.engine.constraint import TokenConstraint
 from serval.engine.engine import Engine
+from serval.engine.lora import LoraCard, LoraError, UnknownLoraError
 from serval.engine.outputs import RequestOutput
 from serval.sampling import SamplingParams
 
@@ -66,6 +67,9 @@ class EngineClient:
         self._lock = threading.Lock()  # guards _streams and _num_pending
         self._num_pending = 0  # adds sent but not yet taken by the engine thread
         self._stopped = threading.Event()
+        # The loaded adapters, for the event loop to read without a lock: the engine thread replaces the
+        # dict whole after each load or unload (copy on write), never changes it in place.
+        self.loras: dict[str, LoraCard] = dict(engine.loras.cards)
         self._thread = threading.Thread(target=self._run, name="serval-engine", daemon=True)
         self._thread.start()
 
@@ -84,12 +88,16 @@ class EngineClient:
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
         share_prompt_with: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request. share_prompt_with: the id of a request with the same prompt (another of
         n / best_of sequences) whose prompt blocks this one forks instead of computing them again."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped")
         self.engine.check_prompt(len(prompt_token_ids), params)  # ValueError with the numbers
+        if lora_name is not None and lora_name not in self.loras:
+            # Checked again on the engine thread: an unload may get there first (also UnknownLoraError).
+            raise UnknownLoraError(f"the LoRA adapter {lora_name!r} is not loaded")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             num_waiting = len(self.engine.scheduler.waiting) + self._num_pending
@@ -109,6 +117,7 @@ class EngineClient:
                 constraint,
                 num_pinned_prompt_tokens,
                 share_prompt_with,
+                lora_name,
             )
         )
         finished = False
@@ -133,6 +142,28 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def load_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoraCard:
+        """Read and check the adapter off the engine thread, then copy it into a slot on it. LoraError (or
+        its subclasses) for a bad adapter, a taken name, no free slot."""
+        self.engine.loras.check_can_add(name)  # fail fast; the engine thread checks again
+        try:
+            adapter = await asyncio.to_thread(self.engine.runner.read_lora, path)
+        except ValueError as e:
+            raise LoraError(str(e)) from e
+        return await self._call_engine(self.engine.add_lora, name, adapter, base_model_name)
+
+    async def unload_lora(self, name: str) -> LoraCard:
+        """UnknownLoraError if not loaded, LoraConflictError while requests use it."""
+        return await self._call_engine(self.engine.remove_lora, name)
+
+    async def _call_engine(self, method, *args) -> LoraCard:
+        # Runs method(*args) on the engine thread, between steps, and hands back its result or LoraError.
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine has stopped")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", method, args, future))
+        return await future
 
     def stats(self) -> EngineStats:
         engine = self.engine
@@ -190,7 +221,17 @@ class EngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader = command
+            (
+                _,
+                request_id,
+                prompt_token_ids,
+                params,
+                eos_token_ids,
+                constraint,
+                num_pinned,
+                leader,
+                lora_name,
+            ) = command
             with self._lock:
                 self._num_pending -= 1
                 wanted = request_id in self._streams
@@ -198,14 +239,29 @@ class EngineClient:
                 return  # the caller went away before the engine saw the request
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader
-                )
+                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader,
+                    lora_name=lora_name,
+                )  # fmt: skip
+            except UnknownLoraError as e:  # unloaded since generate() checked: raised as such there
+                self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)), e)
             except ValueError as e:
                 self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))
         elif kind == "abort":
             output = self.engine.abort_request(command[1])
             if output is not None:
                 self._deliver(output)
+        elif kind == "call":
+            _, method, args, future = command
+            try:
+                result, error = method(*args), None
+            except LoraError as e:
+                result, error = None, e
+            except Exception as e:  # must not kill the engine thread
+                logger.exception("LoRA %s failed", method.__name__)
+                result, error = None, RuntimeError(f"{method.__name__} failed: {e}")
+            if error is None:
+                self.loras = dict(self.engine.loras.cards)
+            _resolve(future, result, error)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):
@@ -222,6 +278,21 @@ class EngineClient:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failure or output)
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
+
+
+def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
+    def settle() -> None:
+        if future.done():
+            return  # the caller went away
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is waiting any more
 
 
 def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:

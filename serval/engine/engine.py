@@ -13,11 +13,13 @@ from serval.config import EngineConfig
 from serval.engine.beam_search import BeamSearchGroup
 from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
+from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
 from serval.engine.request import Request, RequestStatus
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
+from serval.runner.lora import LoraAdapter
 from serval.runner.runner import ModelRunner
 from serval.sampling import SamplingParams
 
@@ -36,7 +38,7 @@ class Engine:
         # clock: what pin expiry is measured against; tests pass a fake one to skip five minutes.
         self.config = config
         self.source = source or resolve_model(config.model.model)
-        self.runner = ModelRunner(config.model, config.cache, self.source)
+        self.runner = ModelRunner(config.model, config.cache, self.source, config.lora)
         info = self.runner.info
         cache = config.cache
         max_num_pinned = (
@@ -54,6 +56,13 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        self.loras = LoraRegistry(info.max_loras)
+        for module in config.lora.lora_modules:
+            try:
+                adapter = self.runner.read_lora(module.path)
+            except ValueError as e:
+                raise LoraError(f"cannot load the LoRA adapter {module.name!r}: {e}") from e
+            self.add_lora(module.name, adapter, module.base_model_name)
 
     # ---- requests in and out
 
@@ -66,10 +75,12 @@ class Engine:
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
         share_prompt_with: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed.
         share_prompt_with: a request with the same prompt (another of n / best_of sequences) whose prompt
-        blocks this one forks once they are computed, instead of computing the prompt itself."""
+        blocks this one forks once they are computed, instead of computing the prompt itself.
+        lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model."""
         if request_id in self.requests or request_id in self.beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(len(prompt_token_ids), params)
@@ -78,12 +89,15 @@ class Engine:
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        lora = None if lora_name is None else self.loras.get(lora_name)
         if params.use_beam_search:
             if constraint is not None:
                 raise ValueError("beam search can't follow a grammar (one constraint per beam is not kept)")
-            self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids)
+            self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids, lora)
             return
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint)
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint, lora=lora
+        )
         request.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.requests[request_id] = request
         leader = self.requests.get(share_prompt_with) if share_prompt_with else None
@@ -96,7 +110,9 @@ class Engine:
         else:
             self.scheduler.add(request)
 
-    def _add_beam_search(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids):
+    def _add_beam_search(
+        self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids, lora
+    ):
         max_new_tokens = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
             max_new_tokens = min(max_new_tokens, params.max_tokens)
@@ -111,7 +127,7 @@ class Engine:
                 f"needs {needed} KV blocks; the cache has {usable}: use fewer beams or a smaller max_tokens"
             )
         group = BeamSearchGroup(request_id, params, eos_token_ids, len(prompt), max_new_tokens)
-        root = Request(group.next_beam_id(), prompt, params, eos_token_ids)
+        root = Request(group.next_beam_id(), prompt, params, eos_token_ids, lora=lora)
         group.add_root(root)
         group.root = root
         group.metrics = root.metrics  # the root's prefill timings are the group's
@@ -145,6 +161,27 @@ class Engine:
         request.finish_reason = "abort"
         return self._output(request, [], None)
 
+    # ---- LoRA adapters (engine/lora.py); the weights go into runner slots
+
+    def add_lora(self, name: str, adapter: LoraAdapter, base_model_name: str | None = None) -> LoraCard:
+        """Load an adapter read by `runner.read_lora` (on any thread) into a free slot."""
+        card = self.loras.add(name, adapter.path, base_model_name)
+        self.runner.load_lora(card.slot, adapter)
+        return card
+
+    def remove_lora(self, name: str) -> LoraCard:
+        """Unload an adapter. NOTE: refused while a request uses it (LoraConflictError) rather than
+        finishing them first: an unload never cuts a generation short, and the caller decides when to retry."""
+        card = self.loras.get(name)
+        num_using = sum(1 for request in self.requests.values() if request.lora is card)
+        num_using += sum(1 for group in self.beam_groups.values() if group.root.lora is card)
+        if num_using:
+            raise LoraConflictError(
+                f"the LoRA adapter {name!r} is in use by {num_using} request(s); retry once they finish"
+            )
+        self.runner.unload_lora(card.slot)
+        return self.loras.remove(name)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -175,6 +212,9 @@ class Engine:
             if num_computed + num_new == request.num_tokens:
                 sample_indices.append(i)
                 rows.append(_sampling_row(request))
+        lora_slots = []
+        if any(r.lora is not None for r in scheduled.requests):
+            lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
         return Batch(
             token_ids=token_ids,
             num_new_tokens=list(scheduled.num_new_tokens),
@@ -183,6 +223,7 @@ class Engine:
             sample_indices=sample_indices,
             sampling=rows,
             block_copies=self.block_manager.take_copies(),
+            lora_slots=lora_slots,
         )
 
     def _update(
@@ -273,7 +314,11 @@ class Engine:
 
     def _fork_beam(self, group: BeamSearchGroup, parent: Request) -> Request:
         child = Request(
-            group.next_beam_id(), parent.prompt_token_ids, parent.params, tuple(parent.eos_token_ids)
+            group.next_beam_id(),
+            parent.prompt_token_ids,
+            parent.params,
+            tuple(parent.eos_token_ids),
+            lora=parent.lora,  # its blocks and its hash chain are the adapter's
         )
         child.token_ids = list(parent.token_ids)
         if parent.status == RequestStatus.RUNNING:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from serval.engine.constraint import TokenConstraint
+from serval.engine.lora import LoraCard
 from serval.engine.outputs import RequestMetrics
 from serval.sampling import SamplingParams
 
@@ -31,6 +32,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         arrival_time: float | None = None,
         constraint: TokenConstraint | None = None,
+        lora: LoraCard | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -58,6 +60,7 @@ class Request:
         self.followers: list[Request] = []
         # Set on the sequences of a beam search: the group that picks their next tokens (engine/beam_search.py).
         self.beam_group = None
+        self.lora = lora  # the LoRA adapter it runs with; None: the base model
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
@@ -80,6 +83,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def block_hash_seed(self) -> bytes:
+        """The parent hash of its first block: the adapter's identity, so caches never mix across them."""
+        return b"" if self.lora is None else self.lora.block_hash_seed
 
     @property
     def wants_pin(self) -> bool:

@@ -45,6 +45,9 @@ class Batch:
     sampling: list[SamplingRow]  # one per entry of sample_indices
     # KV blocks to copy (source, destination) before the forward pass: copy on write of forked sequences.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Per sequence: the LoRA adapter slot it runs with, -1 for the base model (the engine fills it from the
+    # request's adapter). Empty: every sequence runs on the base model.
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

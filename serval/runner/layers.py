@@ -8,12 +8,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from serval.runner.models.arch import RopeScaling
+
+if TYPE_CHECKING:
+    from serval.runner.lora import LoraBatch, LoraTarget
 
 
 class RMSNorm(nn.Module):
@@ -104,21 +108,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear that sends decode-sized inputs (a few rows) to a native bf16 kernel when one is set.
+    """nn.Linear that sends decode-sized inputs (a few rows) to a native bf16 kernel when one is set, and
+    adds the LoRA deltas of the step's adapters when it has adapter slots and the step uses any.
 
-    The runner sets `small_batch_kernel` after loading (`use_native_kernels`); without it this is
-    exactly nn.Linear.
+    The runner sets `small_batch_kernel` after loading (`use_native_kernels`) and `lora_target` when LoRA
+    is enabled (runner/lora.py); without them this is exactly nn.Linear.
     """
 
     MAX_KERNEL_ROWS = 8
     small_batch_kernel = None
+    lora_target: LoraTarget | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         kernel = self.small_batch_kernel
         if kernel is not None and x.dim() == 2 and x.shape[0] <= self.MAX_KERNEL_ROWS:
             y = kernel(x, self.weight)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if lora is not None and self.lora_target is not None:
+            self.lora_target.add_delta(y, x, lora)
+        return y
 
 
 def small_batch_matmul(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -157,9 +168,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
         if self.silu_mul_kernel is not None:
-            return self.down_proj(self.silu_mul_kernel(gate_up))
+            return self.down_proj(self.silu_mul_kernel(gate_up), lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, lora)

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from serval.config import CacheConfig, ModelConfig
+from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
+from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.sampler import Sampler
 
 
@@ -29,6 +30,7 @@ class RunnerInfo:
     vocab_size: int
     dtype: str
     device: str
+    max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
 
 
 def cpu_has_native_bf16() -> bool:
@@ -55,7 +57,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        source: ModelSource,
+        lora_config: LoraConfig | None = None,
+    ):
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.arch, weights = open_checkpoint(source)
@@ -76,6 +84,9 @@ class ModelRunner:
                 use_native_kernels(self.model, kernels)
                 if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
                     self.model.tied_head_kernel = kernels.bf16_linear_small_batch
+        self.lora_slots = None
+        if lora_config is not None and lora_config.is_enabled:
+            self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
@@ -89,7 +100,24 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            max_loras=0 if self.lora_slots is None else self.lora_slots.max_loras,
         )
+
+    # ---- LoRA adapters (runner/lora.py)
+
+    def read_lora(self, path: str) -> LoraAdapter:
+        """Read and check an adapter against the model; touches no slot, so any thread may call it."""
+        if self.lora_slots is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora or --lora-modules")
+        return self.lora_slots.read(path)
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        assert self.lora_slots is not None
+        self.lora_slots.load(slot, adapter)
+
+    def unload_lora(self, slot: int) -> None:
+        assert self.lora_slots is not None
+        self.lora_slots.unload(slot)
 
     def _bytes_per_block(self) -> int:
         a = self.arch
@@ -146,7 +174,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=device)
-        return self.model(input_ids, position_ids, self.kv_caches, meta, logit_rows)
+        lora = None
+        if batch.lora_slots:
+            lora = LoraBatch.build(batch.lora_slots, batch.num_new_tokens, self.dtype, device)
+        return self.model(input_ids, position_ids, self.kv_caches, meta, logit_rows, lora)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:

@@ -20,3 +20,15 @@ class ServerBusyError(RuntimeError):
 
 class EngineError(RuntimeError):
     """The engine failed a request it had accepted (its output carried an error)."""
+
+
+class ModelNotFoundError(LookupError):
+    """No base model or LoRA adapter goes by that name: a 404."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ConflictError(RuntimeError):
+    """The request conflicts with the server's state (an adapter in use, every adapter slot taken): a 409."""

@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
+from serval.engine.lora import UnknownLoraError
 from serval.sampling import SamplingParams
 from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
 from serval.serving.choices import SequencePlan, beam_choice_output, keep_best, plan_sequences
-from serval.serving.errors import EngineError, InvalidRequestError, ServerBusyError
+from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
+from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
 from serval.serving.stream import ChoiceStream, Completion, Event, Usage, fold
@@ -53,6 +55,7 @@ class Frontend:
         self.max_iter_times = max_iter_times
         self.tool_format = format_for_template(source, tool_call_format)
         self.grammars = GrammarCompiler(tokenizer)  # xgrammar is imported on the first structured request
+        self.loras = LoraAdapters(engine)
 
     @property
     def max_model_len(self) -> int:
@@ -214,10 +217,12 @@ class Frontend:
         param: str = "messages",
         output_plan: OutputPlan | None = None,
         num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[Event]:
         """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
         aborts every engine request still running. num_pinned_prompt_tokens: the leading tokens of every
-        prompt to pin in the explicit cache (cache_control)."""
+        prompt to pin in the explicit cache (cache_control). lora_name: the LoRA adapter to generate with
+        (ModelNotFoundError if it is not loaded); None: the base model."""
         sequences = self.plan(prompts, params, param)
         streams = [
             ChoiceStream(s.index + k, self.tokenizer, s.params, return_logprobs, output_plan)
@@ -226,7 +231,9 @@ class Frontend:
         ]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [
-            asyncio.create_task(self._pump(request_id, s, queue, output_plan, num_pinned_prompt_tokens))
+            asyncio.create_task(
+                self._pump(request_id, s, queue, output_plan, num_pinned_prompt_tokens, lora_name=lora_name)
+            )
             for s in sequences
         ]
         loop = asyncio.get_running_loop()
@@ -285,6 +292,7 @@ class Frontend:
         queue: asyncio.Queue,
         plan: OutputPlan | None,
         num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
         tokenizer = self.tokenizer
@@ -300,6 +308,7 @@ class Frontend:
                 constraint=constraint,
                 num_pinned_prompt_tokens=num_pinned_prompt_tokens,
                 share_prompt_with=None if leader is None else f"{request_id}-{leader}",
+                lora_name=lora_name,
             )
             async for output in outputs:
                 if output.beams is None:
@@ -308,6 +317,8 @@ class Frontend:
                 # Beam search answers once, at the end ("pseudo streaming"): one finished output per beam.
                 for k, beam in enumerate(output.beams):
                     queue.put_nowait((sequence.index + k, beam_choice_output(output, beam)))
+        except UnknownLoraError as e:  # unloaded after the API checked the name
+            queue.put_nowait((sequence.index, ModelNotFoundError(str(e), "model")))
         except QueueFullError as e:
             queue.put_nowait((sequence.index, ServerBusyError(str(e))))
         except EngineDeadError as e:

@@ -60,7 +60,7 @@ def _hf_beams(model, width: int, n: int, max_tokens: int, length_penalty, early_
         output_scores=True,
     )
     with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), generation_config=config)
+        out = model.generate(input_ids=torch.tensor([PROMPT]), generation_config=config)
     beams = []
     for sequence, score in zip(out.sequences.tolist(), out.sequences_scores.tolist()):
         generated = sequence[len(PROMPT) :]
@@ -114,6 +114,26 @@ def test_beams_and_scores_match_transformers(
         assert beam.score == pytest.approx(score, abs=1e-4)
         assert beam.finish_reason == ("stop" if beam.token_ids[-1] == eos else "length")
     assert any(b.finish_reason == "stop" for b in beams)
+
+
+def test_beams_of_a_lora_adapter_match_transformers_with_peft(tiny_model_factory, tiny_lora_factory):
+    from serval.config import LoraConfig, LoraModule
+
+    directory, peft_model = tiny_lora_factory("full")
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_factory("llama")[0], dtype="float32"),
+        cache=CacheConfig(num_blocks=128),
+        lora=LoraConfig(enable_lora=True, max_loras=1, lora_modules=(LoraModule("full", directory),)),
+    )
+    engine = Engine(config)
+    expected = _hf_beams(peft_model.float(), 3, 3, 10, 1.0, False, eos=10_000)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=10, use_beam_search=True)
+    engine.add_request("lora-beams", PROMPT, params, eos_token_ids=(10_000,), lora_name="full")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert [b.token_ids for b in outputs[0].beams] == [tokens for tokens, _ in expected]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_beams_share_prompt_blocks_by_reference(engine, monkeypatch):

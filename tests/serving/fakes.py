@@ -48,7 +48,8 @@ class ByteTokenizer:
 
 class FakeEngine:
     """An EngineClient double: each request 'generates' the bytes of a scripted text, one token per step,
-    then EOS; seeds pick the text, so n choices differ. Records aborted requests."""
+    then EOS; seeds pick the text, so n choices differ. Records aborted requests, and which LoRA adapter each
+    request asked for; `load_lora` takes any existing directory as an adapter."""
 
     def __init__(self, texts: list[str], max_model_len: int = 256, delay: float = 0.0) -> None:
         self.texts = texts
@@ -57,6 +58,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.is_queue_full = False
+        self.loras: dict = {}  # name -> LoraCard, as EngineClient.loras
+        self.max_loras = 2
+        self.lora_names: dict[str, str | None] = {}  # request id -> the adapter it asked for
 
     async def generate(
         self,
@@ -67,13 +71,18 @@ class FakeEngine:
         constraint=None,
         num_pinned_prompt_tokens=0,
         share_prompt_with=None,
+        lora_name=None,
     ):
         import asyncio
         import math
 
         from serval.engine.client import QueueFullError
+        from serval.engine.lora import UnknownLoraError
         from serval.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
+        if lora_name is not None and lora_name not in self.loras:
+            raise UnknownLoraError(f"the LoRA adapter {lora_name!r} is not loaded")
+        self.lora_names[request_id] = lora_name
         if self.is_queue_full:
             raise QueueFullError("1 requests are already waiting")
         if len(prompt_token_ids) + (params.max_tokens or 1) > self.max_model_len:
@@ -113,6 +122,28 @@ class FakeEngine:
         finally:
             if not done:
                 self.aborted.append(request_id)
+
+    async def load_lora(self, name, path, base_model_name=None):
+        import os
+
+        from serval.engine.lora import LoraCard, LoraConflictError, LoraError
+
+        if name in self.loras:
+            raise LoraError(f"a LoRA adapter named {name!r} is already loaded")
+        if len(self.loras) >= self.max_loras:
+            raise LoraConflictError("all LoRA slots are taken")
+        if not os.path.isdir(path):
+            raise LoraError(f"{path} is not a PEFT adapter")
+        card = LoraCard(name, path, base_model_name, len(self.loras), name.encode())
+        self.loras = {**self.loras, name: card}
+        return card
+
+    async def unload_lora(self, name):
+        from serval.engine.lora import UnknownLoraError
+
+        if name not in self.loras:
+            raise UnknownLoraError(f"the LoRA adapter {name!r} is not loaded")
+        self.loras = {k: v for k, v in self.loras.items() if k != name}
 
     def stats(self):
         from serval.engine.client import EngineStats

@@ -7,6 +7,7 @@ names and are packed into fused q/k/v and gate/up matrices as they load.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from serval.runner.layers import (
     small_batch_matmul,
 )
 from serval.runner.models.arch import ArchConfig
+
+if TYPE_CHECKING:
+    from serval.runner.lora import LoraBatch
 
 
 class Attention(nn.Module):
@@ -45,9 +49,10 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -55,7 +60,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -66,11 +71,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
-    def forward(self, x, rope, k_cache, v_cache, meta):
+    def forward(self, x, rope, k_cache, v_cache, meta, lora=None):
         # x is the residual stream, kept in fp32: these models carry outlier activations in the tens of
         # thousands (attention sinks), where bf16's 8-bit mantissa loses whole units and greedy output drifts.
-        x = x.add_(self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        x = x.add_(self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, lora))
+        return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
 
 
 # Hugging Face parameter suffix -> (our fused parameter, which shard of it).
@@ -107,11 +112,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
+        lora: LoraBatch | None = None,  # which tokens use which adapter; None: the base model for all
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         x = self.embed_tokens(input_ids).float()  # (num_tokens, hidden_size), the fp32 residual stream
         rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, rope, k_cache, v_cache, meta)
+            x = layer(x, rope, k_cache, v_cache, meta, lora)
         x = self.norm(x[logit_rows])
         if self.lm_head is not None:
             return self.lm_head(x).float()
@@ -145,6 +151,18 @@ class LlamaForCausalLM(nn.Module):
                     _copy_checked(param.narrow(0, start, size), tensor, hf_name)
             loaded.add(f"{target}#{shard}")
         self._check_all_loaded(loaded)
+
+    def lora_layout(self) -> dict[str, tuple[str, int, int]]:
+        """The modules a LoRA adapter may target, by their Hugging Face suffix within a decoder layer (as
+        PEFT names them) -> (our Linear, first output row, rows): q/k/v and gate/up are row ranges of the
+        fused matrices."""
+        layout = {
+            "self_attn.o_proj": ("self_attn.o_proj", 0, self.arch.hidden_size),
+            "mlp.down_proj": ("mlp.down_proj", 0, self.arch.hidden_size),
+        }
+        for suffix, (fused, shard) in _FUSED.items():
+            layout[suffix] = (fused, *self._shard_range(fused, shard))
+        return layout
 
     def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
         arch = self.arch
