@@ -91,7 +91,9 @@ class BeamSearchGroup:
         return self.num_generated
 
     def add_root(self, beam: Request) -> None:
-        """The first beam: the prompt alone."""
+        """The first beam: the prompt alone. Its prefill timings and prefix-cache hits are the group's."""
+        self.root = beam
+        self.metrics = beam.metrics
         beam.beam_group = self
         self.running.append(beam)
         self.cumulative_logprobs[beam.request_id] = 0.0

@@ -129,8 +129,6 @@ class Engine:
         group = BeamSearchGroup(request_id, params, eos_token_ids, len(prompt), max_new_tokens)
         root = Request(group.next_beam_id(), prompt, params, eos_token_ids, lora=lora)
         group.add_root(root)
-        group.root = root
-        group.metrics = root.metrics  # the root's prefill timings are the group's
         self.beam_groups[request_id] = group
         self.scheduler.add(root)
 
