@@ -40,6 +40,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int64
     decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int64
     block_size: int = 0
+    is_decode_only: bool = False  # every sequence computes one token (the native DecodeStack's case)
 
     @classmethod
     def build(
@@ -104,6 +105,7 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             block_size=block_size,
+            is_decode_only=not prefills and decode_kernel is not None,
         )
 
 

@@ -18,6 +18,7 @@ from serval.runner.models.arch import RopeScaling
 
 if TYPE_CHECKING:
     from serval.runner.lora import LoraBatch, LoraTarget
+    from serval.runner.quantization import PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -108,47 +109,62 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear that sends decode-sized inputs (a few rows) to a native bf16 kernel when one is set, and
-    adds the LoRA deltas of the step's adapters when it has adapter slots and the step uses any.
+    """nn.Linear that sends decode-sized inputs (a few rows) to native kernels when they are set: the
+    quantized kernel when the weight has an exact packed low-bit form (runner/quantization.py), else the bf16
+    small-batch kernel; and adds the LoRA deltas of the step's adapters when it has adapter slots and the
+    step uses any.
 
-    The runner sets `small_batch_kernel` after loading (`use_native_kernels`) and `lora_target` when LoRA
-    is enabled (runner/lora.py); without them this is exactly nn.Linear.
+    The loader sets `packed`, the runner sets the kernels after loading (`use_native_kernels`) and
+    `lora_target` when LoRA is enabled (runner/lora.py); without them this is exactly nn.Linear.
     """
 
     MAX_KERNEL_ROWS = 8
+    # Past 8 rows oneDNN's bf16 matmul beats the quantized kernel's int16 dot products (docs/benchmarks.md).
+    MAX_QUANTIZED_ROWS = 8
     small_batch_kernel = None
+    quantized_kernel = None  # kernels.quantized_linear, set only when `packed` is
+    packed: PackedWeight | None = None
     lora_target: LoraTarget | None = None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        kernel = self.small_batch_kernel
-        if kernel is not None and x.dim() == 2 and x.shape[0] <= self.MAX_KERNEL_ROWS:
-            y = kernel(x, self.weight)
-            if self.bias is not None:
-                y = y + self.bias
-        else:
+        y = small_batch_linear(x, self.weight, self.small_batch_kernel, self.packed, self.quantized_kernel)
+        if y is None:
             y = F.linear(x, self.weight, self.bias)
+        elif self.bias is not None:
+            y = y + self.bias
         if lora is not None and self.lora_target is not None:
             self.lora_target.add_delta(y, x, lora)
         return y
 
 
-def small_batch_matmul(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T, through the native kernel for a few rows when available (the tied lm_head uses it)."""
+def small_batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, kernel, packed: PackedWeight | None = None, quantized_kernel=None
+) -> torch.Tensor | None:
+    """x @ weight.T through a native kernel when x has few enough rows for one; None: use PyTorch's."""
+    if x.dim() != 2:
+        return None
+    if quantized_kernel is not None and packed is not None and x.shape[0] <= Linear.MAX_QUANTIZED_ROWS:
+        return packed.matmul(quantized_kernel, x)
     if kernel is not None and x.shape[0] <= Linear.MAX_KERNEL_ROWS:
         return kernel(x, weight)
-    return x @ weight.t()
+    return None
 
 
 def use_native_kernels(model: nn.Module, kernels) -> None:
     """Point the model's layers at the native CPU kernels (None: back to plain PyTorch everywhere).
 
-    The bf16 matmul kernel is used only for bf16 weights; norms and SwiGLU take bf16 or fp32.
+    The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
+    and SwiGLU take bf16 or fp32.
     """
     for module in model.modules():
         if isinstance(module, Linear):
             usable = kernels is not None and kernels.has_bf16_linear() and module.in_features % 32 == 0
             is_bf16 = module.weight.dtype == torch.bfloat16
             module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
+            has_quantized = (
+                kernels is not None and kernels.has_quantized_linear() and module.packed is not None
+            )
+            module.quantized_kernel = kernels.quantized_linear if has_quantized else None
         elif isinstance(module, RMSNorm):
             module.native_kernel = None if kernels is None else kernels.rms_norm
         elif isinstance(module, GatedMLP):

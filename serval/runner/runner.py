@@ -70,20 +70,28 @@ class ModelRunner:
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        self.model = load_model(self.arch, weights, self.dtype, self.device, self.max_model_len)
+        kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        # The quantized kernels serve the bf16 path only: an fp32 model is asked for to stay exact.
+        use_quantized = (
+            kernels is not None and kernels.has_quantized_linear() and self.dtype == torch.bfloat16
+        )
+        self.model = load_model(
+            self.arch, weights, self.dtype, self.device, self.max_model_len, pack_low_bit=use_quantized
+        )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes
         )
         self.kv_caches = self._allocate_kv_cache()
         self.decode_kernel = None
-        if self.device.type == "cpu":
-            kernels = load_cpu_kernels()
-            if kernels is not None:
-                self.decode_kernel = kernels.paged_decode_attention
-                use_native_kernels(self.model, kernels)
-                if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
-                    self.model.tied_head_kernel = kernels.bf16_linear_small_batch
+        if kernels is not None:
+            self.decode_kernel = kernels.paged_decode_attention
+            use_native_kernels(self.model, kernels)
+            if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
+                self.model.tied_head_kernel = kernels.bf16_linear_small_batch
+            if getattr(self.model, "packed_tied_head", None) is not None:
+                self.model.tied_head_quantized_kernel = kernels.quantized_linear
+            self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
             self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)

@@ -59,3 +59,36 @@ def test_mixed_step_matches_dense_attention(use_kernel, dtype):
         # The new tokens' K/V were written into their slots.
         assert torch.equal(k_cache[slots[c:]], k[row : row + n])
         row += n
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the register-tiled path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, dtype):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("native kernels could not be built here")
+    torch.manual_seed(head_dim)
+    num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
+    # Context lengths around the kernel's 16-token tiles, and one longer than a few blocks.
+    lens = [1, 15, 16, 17, 33, 300]
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, start = [], 0
+    for count in blocks_per_seq:
+        tables.append(perm[start : start + count])
+        start += count
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), scale)
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        k_ctx = k_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()  # (KVH, n, D)
+        v_ctx = v_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()
+        expected = F.scaled_dot_product_attention(
+            q[i].float().unsqueeze(1), k_ctx, v_ctx, scale=scale, enable_gqa=True
+        ).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (out[i].float() - expected).abs().max().item() < tol, (n, dtype)

@@ -6,12 +6,25 @@ callers then take the plain-PyTorch path, which computes the same thing more slo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
+_DIRECTORY = os.path.dirname(__file__)
+_SOURCES = [
+    os.path.join(_DIRECTORY, name)
+    for name in ("cpu_kernels.cpp", "decode_attention.cpp", "decode_stack.cpp", "quantized_linear.cpp")
+]
+_HEADER = os.path.join(_DIRECTORY, "common.h")
+
+
+def _header_digest() -> str:
+    # torch hashes the sources and the flags to decide whether its cached build is current, not the headers
+    # they include: the header's digest goes into the flags so an edit to it rebuilds.
+    with open(_HEADER, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def load_cpu_kernels():
@@ -24,8 +37,15 @@ def load_cpu_kernels():
         # so only the first start on a machine pays the ~1 min compile.
         return load(
             name="serval_cpu_kernels",
-            sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            sources=_SOURCES,
+            extra_include_paths=[_DIRECTORY],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-ffast-math",
+                "-fopenmp",
+                f"-DSERVAL_HEADER={_header_digest()}",
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,161 +1,8 @@
-// Decode attention over the paged KV cache, read in place (no gather into padded tensors).
-//
-// One query token per sequence. Work is split over (sequence, kv head) pairs; each pair scores its
-// context once for the G query heads that share the kv head (GQA), so every K and V row is read once.
-// Scores are kept in a per-task float buffer: two passes (scores, then softmax-weighted V), which is
-// exact softmax, not an online approximation.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+// The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, SwiGLU's silu * up, in-place RoPE,
+// and the Python module that binds them with the other sources' kernels.
+#include "common.h"
 
-namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-#ifdef __AVX512F__
-// bf16 -> fp32 is a 16-bit left shift of the bits; 16 at a time.
-template <>
-inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(wide));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
-#else
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-#endif
-
-template <typename T>
-void decode_attention_impl(
-    const torch::Tensor& q,             // (num_seqs, num_heads, head_dim)
-    const torch::Tensor& k_cache,       // (num_blocks, block_size, num_kv_heads, head_dim)
-    const torch::Tensor& v_cache,       // same
-    const torch::Tensor& block_tables,  // (num_seqs, max_blocks) int64
-    const torch::Tensor& context_lens,  // (num_seqs,) int64
-    double scale,
-    torch::Tensor& out) {               // (num_seqs, num_heads, head_dim)
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
-  const int64_t block_stride = block_size * slot_stride;
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = lens[seq];
-      scores.assign(group * len, 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        load_row(q_ptr + (seq * num_heads + kv_head * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
-      }
-      // Pass 1: scores[g][t] = q_g . k_t * scale
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[seq * max_blocks + t / block_size];
-        const T* k_row = k_ptr + block * block_stride + (t % block_size) * slot_stride + kv_head * head_dim;
-        load_row(k_row, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          scores[g * len + t] = dot(qf.data() + g * head_dim, row.data(), head_dim) * static_cast<float>(scale);
-        }
-      }
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      // Pass 2: out_g = sum_t p[g][t] * v_t
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[seq * max_blocks + t / block_size];
-        const T* v_row = v_ptr + block * block_stride + (t % block_size) * slot_stride + kv_head * head_dim;
-        load_row(v_row, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          axpy(scores[g * len + t], row.data(), acc.data() + g * head_dim, head_dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
-      }
-    }
-  });
-}
-
-}  // namespace
-
-torch::Tensor paged_decode_attention(
-    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "block_tables and context_lens must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = torch::empty_like(q);
-  auto bt = block_tables.contiguous();
-  auto cl = context_lens.contiguous();
-  if (q.scalar_type() == torch::kFloat) {
-    decode_attention_impl<float>(q, k_cache, v_cache, bt, cl, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, bt, cl, scale, out);
-  } else if (q.scalar_type() == torch::kHalf) {
-    decode_attention_impl<at::Half>(q, k_cache, v_cache, bt, cl, scale, out);
-  } else {
-    TORCH_CHECK(false, "unsupported dtype");
-  }
-  return out;
-}
+using namespace serval_kernels;
 
 // y = x @ w.T for a few rows of x (decode), bf16 weights streamed once with AVX512-BF16 dot products.
 // oneDNN's bf16 GEMM is tuned for many rows; with one to eight it reads weights far below memory bandwidth.
@@ -310,11 +157,16 @@ bool has_bf16_linear() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16");
+  // Every kernel releases the GIL while it runs: the engine thread computes while the event loop serves.
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16", release());
   m.def("has_bf16_linear", &has_bf16_linear, "whether bf16_linear_small_batch was compiled in");
-  m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor");
-  m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k");
+  m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
+  m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache (one query token per sequence)");
+        "decode attention over the paged KV cache (one query token per sequence)", release());
+  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in 4-bit or 8-bit blocks of 32", release());
+  m.def("has_quantized_linear", &has_quantized_linear, "whether quantized_linear was compiled in");
+  register_decode_stack(m);
 }

@@ -10,6 +10,7 @@ from serval.model_source import ModelSource
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
+from serval.runner.quantization import pack_exact_low_bit
 
 WeightsReader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -30,8 +31,15 @@ def open_checkpoint(source: ModelSource) -> tuple[ArchConfig, WeightsReader]:
 
 
 def load_model(
-    arch: ArchConfig, weights: WeightsReader, dtype: torch.dtype, device: torch.device, max_positions: int
+    arch: ArchConfig,
+    weights: WeightsReader,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    pack_low_bit: bool = False,
 ) -> torch.nn.Module:
+    """pack_low_bit: also keep the exact 4/8-bit packed form of weights that have one (GGUF Q4_0/Q4_1/Q8_0
+    tensors), found on the fp32 weights before they are cast, for the quantized CPU kernels."""
     cls = model_class(arch.architecture)
     # Build on the meta device so that no memory is spent on random init, then materialize.
     with torch.device("meta"):
@@ -39,6 +47,8 @@ def load_model(
     model = model.to_empty(device="cpu")
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
     model.load_weights((name, tensor.to(torch.float32)) for name, tensor in weights())
+    if pack_low_bit:
+        pack_exact_low_bit(model)
     model = model.to(dtype=dtype, device=device)
     # The RoPE table stays fp32 whatever the weights' dtype: positions beyond a few thousand lose
     # precision in bf16.

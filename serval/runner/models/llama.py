@@ -20,7 +20,7 @@ from serval.runner.layers import (
     RopeTables,
     RotaryEmbedding,
     rope_inverse_frequencies,
-    small_batch_matmul,
+    small_batch_linear,
 )
 from serval.runner.models.arch import ArchConfig
 
@@ -99,6 +99,12 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.rotary = self._make_rotary(None)
         self.tied_head_kernel = None  # set with the Linear kernels by the runner
+        # The tied head's exact packed form (runner/quantization.py) and its kernel, when it has one.
+        self.packed_tied_head = None
+        self.tied_head_quantized_kernel = None
+        # kernels.DecodeStack over every layer, set by the runner with the native kernels (make_decode_stack):
+        # decode-only steps without adapters run all layers in one native call.
+        self.decode_stack = None
 
     def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
         arch = self.arch
@@ -116,12 +122,56 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         x = self.embed_tokens(input_ids).float()  # (num_tokens, hidden_size), the fp32 residual stream
         rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, rope, k_cache, v_cache, meta, lora)
+        if self.decode_stack is not None and meta.is_decode_only and lora is None:
+            self.decode_stack.forward(
+                x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, rope.cos, rope.sin
+            )
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer(x, rope, k_cache, v_cache, meta, lora)
         x = self.norm(x[logit_rows])
         if self.lm_head is not None:
             return self.lm_head(x).float()
-        return small_batch_matmul(self.tied_head_kernel, x, self.embed_tokens.weight).float()
+        weight = self.embed_tokens.weight
+        logits = small_batch_linear(
+            x, weight, self.tied_head_kernel, self.packed_tied_head, self.tied_head_quantized_kernel
+        )
+        return (x @ weight.t() if logits is None else logits).float()
+
+    def make_decode_stack(self, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+        """The native DecodeStack over these layers' weights and caches (computes what forward computes)."""
+        none = torch.empty(0)
+
+        def linear(module: Linear) -> list[torch.Tensor]:
+            packed = module.packed if module.quantized_kernel is not None else None
+            if packed is None:
+                return [module.weight, none, none, none]
+            return [module.weight, packed.codes, packed.scales, packed.offsets]
+
+        layers = []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_bias = attn.qkv_proj.bias
+            layers.append(
+                [
+                    layer.input_layernorm.weight,
+                    none if qkv_bias is None else qkv_bias,
+                    none if attn.q_norm is None else attn.q_norm.weight,
+                    none if attn.k_norm is None else attn.k_norm.weight,
+                    layer.post_attention_layernorm.weight,
+                    k_cache,
+                    v_cache,
+                    *linear(attn.qkv_proj),
+                    *linear(attn.o_proj),
+                    *linear(mlp.gate_up_proj),
+                    *linear(mlp.down_proj),
+                ]
+            )
+        arch = self.arch
+        return kernels.DecodeStack(
+            layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
+            self.layers[0].self_attn.scale, Linear.MAX_QUANTIZED_ROWS, Linear.MAX_KERNEL_ROWS,
+        )  # fmt: skip
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

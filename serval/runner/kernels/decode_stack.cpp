@@ -1,0 +1,140 @@
+// The decoder layers of a decode-only step (one new token per sequence) in one native call.
+//
+// A decode step of a small model is mostly fixed cost: ~20 tensor ops per layer, each a Python call and a
+// dispatch, against a few microseconds of arithmetic. DecodeStack holds every layer's weights and KV cache
+// once (built after loading) and runs all layers per step without returning to Python, and without the GIL.
+//
+// It computes exactly what the Python path (models/llama.py with the native kernels) computes: the same
+// kernels, rounding to the compute dtype at the same points, the residual stream in fp32. A test compares
+// the two bit for bit.
+#include "common.h"
+
+namespace {
+
+torch::Tensor optional(const torch::Tensor& t) { return t.numel() == 0 ? torch::Tensor() : t; }
+
+// One Linear layer (layers.py): its weight, and its exact packed low-bit form when it has one.
+struct LinearWeights {
+  torch::Tensor weight, codes, scales, offsets;  // codes undefined: no packed form
+  bool use_small_batch_kernel = false;
+  int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
+
+  // The Linear layer's dispatch: the quantized kernel for a few rows when packed, else the small-batch
+  // bf16 kernel for a few rows, else PyTorch's matmul.
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& bias) const {
+    torch::Tensor y;
+    if (codes.defined() && x.size(0) <= max_quantized_rows) {
+      y = quantized_linear(x, codes, scales, offsets, weight.size(0));
+    } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
+      y = bf16_linear_small_batch(x, weight);
+    } else {
+      return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+    }
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+LinearWeights linear_weights(const torch::Tensor* t, int64_t max_quantized_rows, int64_t max_small_batch_rows) {
+  LinearWeights w{t[0], optional(t[1]), optional(t[2]), optional(t[3])};
+  w.max_quantized_rows = max_quantized_rows;
+  w.max_small_batch_rows = max_small_batch_rows;
+  w.use_small_batch_kernel = has_bf16_linear() && w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
+  return w;
+}
+
+struct LayerWeights {
+  torch::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;
+  LinearWeights qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // (num_slots, num_kv_heads, head_dim)
+};
+
+class DecodeStack {
+ public:
+  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] and then 4 tensors
+  // [weight, codes, scales, offsets] for each of qkv, o, gate_up, down; an empty tensor stands for an absent
+  // bias, q/k norm or packed form.
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
+              int64_t max_small_batch_rows)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
+        eps_(eps), scale_(scale) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 23, "each layer needs 23 tensors");
+      auto linear = [&](int64_t i) { return linear_weights(&t[i], max_quantized_rows, max_small_batch_rows); };
+      layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(7), linear(11),
+                         linear(15), linear(19), t[5], t[6]});
+    }
+  }
+
+  // x: (num_seqs, hidden) fp32 residual stream, updated in place. slot_mapping (num_seqs,): where each
+  // sequence's new K/V go; block_tables (num_seqs, max_blocks) and context_lens (num_seqs,) int64, as the
+  // decode attention kernel takes them; cos, sin (num_seqs, head_dim / 2) fp32 at each new token's position.
+  void forward(torch::Tensor x, torch::Tensor slot_mapping, torch::Tensor block_tables,
+               torch::Tensor context_lens, torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2, "x: (rows, hidden) fp32");
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == x.size(0),
+                "one int64 slot per row");
+    const auto slots = slot_mapping.contiguous();
+    for (const auto& layer : layers_) {
+      run_layer(layer, x, slots, block_tables, context_lens, cos, sin);
+    }
+  }
+
+ private:
+  void run_layer(const LayerWeights& w, torch::Tensor& x, const torch::Tensor& slots,
+                 const torch::Tensor& block_tables, const torch::Tensor& context_lens, const torch::Tensor& cos,
+                 const torch::Tensor& sin) const {
+    const int64_t rows = x.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    auto qkv = w.qkv(rms_norm(x, w.input_norm, eps_), w.qkv_bias);
+    auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+    auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    if (w.q_norm.defined()) {
+      q = rms_norm(q.reshape({-1, head_dim_}), w.q_norm, eps_).view({rows, num_heads_, head_dim_});
+      k = rms_norm(k.reshape({-1, head_dim_}), w.k_norm, eps_).view({rows, num_kv_heads_, head_dim_});
+    }
+    rotary_embedding_(q, k, cos, sin);
+    write_kv(w, k, v, slots);
+    const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
+    auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
+                                       block_tables, context_lens, scale_);
+    const torch::Tensor no_bias;
+    x.add_(w.o(attn.view({rows, q_size}), no_bias));
+    auto gate_up = w.gate_up(rms_norm(x, w.post_norm, eps_), no_bias);
+    x.add_(w.down(silu_mul(gate_up), no_bias));
+  }
+
+  // The new tokens' K and V rows into their cache slots (a row copy each; index_copy_ costs more per call).
+  void write_kv(const LayerWeights& w, const torch::Tensor& k, const torch::Tensor& v,
+                const torch::Tensor& slots) const {
+    const int64_t rows = k.size(0), kv_size = num_kv_heads_ * head_dim_;
+    const int64_t element_size = w.k_cache.element_size();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    auto* k_cache = static_cast<char*>(w.k_cache.data_ptr());
+    auto* v_cache = static_cast<char*>(w.v_cache.data_ptr());
+    const auto* k_rows = static_cast<const char*>(k.data_ptr());
+    const auto* v_rows = static_cast<const char*>(v.data_ptr());
+    // k is its own tensor after a q/k norm, a view of the fused qkv output otherwise; v always a view.
+    const int64_t row_bytes = kv_size * element_size;
+    const int64_t k_stride = k.stride(0) * element_size, v_stride = v.stride(0) * element_size;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(k_cache + slot[r] * row_bytes, k_rows + r * k_stride, row_bytes);
+      std::memcpy(v_cache + slot[r] * row_bytes, v_rows + r * v_stride, row_bytes);
+    }
+  }
+
+  std::vector<LayerWeights> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, block_size_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+void register_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, int64_t,
+                          double, double, int64_t, int64_t>())
+      .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}

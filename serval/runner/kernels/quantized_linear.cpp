@@ -1,0 +1,159 @@
+// y = x @ W.T for up to a few dozen rows of x, W in 4-bit or 8-bit blocks of 32 weights along K with an fp16
+// scale per block (and, 4-bit, an fp16 min): the exact weights of GGUF's Q4_0/Q4_1/Q8_0 files, read at
+// 0.625 or 1.0625 bytes a weight against bf16's 2. Batch-1 decode reads every weight once per token, so bytes
+// are its cost; at larger batches the 8-bit dot products of the VNNI units (64 per instruction) are.
+//
+// Weights come packed by serval/runner/quantization.py in groups of 16 output rows, so one 512-bit register
+// holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once:
+//   codes  4-bit: (N/16, K/32, 4, 64) uint8: chunk c unpacks (low nibbles, then high ones; each 32-byte half
+//          widened to int16) into the operands of weight pairs 4c, 4c+1, 4c+2, 4c+3 of the block;
+//          8-bit: (N/16, K/32, 8, 64) int8: chunk c widens into the operands of pairs 2c and 2c+1;
+//          operand word 2r + e holds row r's weight 2p + e of pair p;
+//   scales (N/16, K/32, 16) fp16: d of each row's block;
+//   offsets (N/16, K/32, 16) fp32: 4-bit: the block's min m (w = d q + m); 8-bit: zero (w = d q).
+// x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
+// largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
+// bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions but flipped the greedy
+// output of 15 of the 16 fidelity prompts within 32 tokens on the default model: its activations have
+// outlier channels that take the whole 8-bit range of their block.) The 4-bit min term uses the exact sum
+// of each block of x.
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGroup = 16;   // output rows per register
+constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay in registers
+
+struct QuantizedRows {
+  std::vector<int16_t> codes;  // (M, K) round(x / d)
+  std::vector<float> scales;   // (M, K / 32) d = max|x_b| / 32767
+  std::vector<float> sums;     // (M, K / 32) sum of x_b, exact
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t num_blocks = K / kBlock;
+  QuantizedRows q{std::vector<int16_t>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
+  for (int64_t i = 0; i < M * num_blocks; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
+    q.scales[i] = amax / 32767.0f;
+    q.sums[i] = sum;
+  }
+  return q;
+}
+
+#if defined(__AVX512VNNI__)
+inline __m512i broadcast_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512i widen_u8(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
+inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
+
+// 16 output rows (one packed group) for up to 8 rows of x.
+template <bool kFourBit>
+void group_rows(const uint8_t* codes, const at::Half* scales, const float* offsets, const QuantizedRows& xq,
+                int64_t r0, int64_t rows, int64_t K, float* out, int64_t out_stride) {
+  const int64_t num_blocks = K / kBlock;
+  constexpr int64_t kChunks = kFourBit ? 4 : 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = codes + b * kChunks * 64;
+    __m512i dots[kMaxRows];
+    for (int64_t r = 0; r < rows; ++r) dots[r] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const __m512i packed = _mm512_loadu_si512(block + c * 64);
+      __m512i operand[4];
+      int64_t first_pair, num_operands;
+      if constexpr (kFourBit) {
+        const __m512i lo = _mm512_and_si512(packed, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        operand[0] = widen_u8(_mm512_castsi512_si256(lo));
+        operand[1] = widen_u8(_mm512_extracti64x4_epi64(lo, 1));
+        operand[2] = widen_u8(_mm512_castsi512_si256(hi));
+        operand[3] = widen_u8(_mm512_extracti64x4_epi64(hi, 1));
+        first_pair = 4 * c, num_operands = 4;
+      } else {
+        operand[0] = widen_s8(_mm512_castsi512_si256(packed));
+        operand[1] = widen_s8(_mm512_extracti64x4_epi64(packed, 1));
+        first_pair = 2 * c, num_operands = 2;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int16_t* xr = xq.codes.data() + (r0 + r) * K + b * kBlock + 2 * first_pair;
+        for (int64_t o = 0; o < num_operands; ++o) {
+          dots[r] = _mm512_dpwssd_epi32(dots[r], operand[o], broadcast_pair(xr + 2 * o));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroup)));
+    const __m512 offset = _mm512_loadu_ps(offsets + b * kGroup);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = (r0 + r) * num_blocks + b;
+      const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xq.scales[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), dx, acc[r]);
+      if constexpr (kFourBit) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xq.sums[i]), acc[r]);  // + m sum(x_b)
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
+}
+#endif
+
+}  // namespace
+
+// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width.
+torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                               int64_t N) {
+#if defined(__AVX512VNNI__)
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 3 && offsets.dim() == 3, "packed shapes");
+  const bool four_bit = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK(four_bit || codes.scalar_type() == torch::kChar, "codes: uint8 (4-bit) or int8 (8-bit)");
+  const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0), num_blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && codes.size(1) == num_blocks && codes.size(2) == (four_bit ? 4 : 8), "codes vs x");
+  TORCH_CHECK(num_groups * kGroup >= N && num_groups * kGroup < N + kGroup, "N vs the packed groups");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kFloat, "fp16 scales, fp32 offsets");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "packed tensors: contiguous");
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
+  // Padded to whole groups; the padding columns are dropped by the narrow below.
+  auto out = torch::empty({M, num_groups * kGroup}, xf.options());
+  float* op = out.data_ptr<float>();
+  const auto* code_ptr = static_cast<const uint8_t*>(codes.data_ptr());
+  const int64_t group_bytes = codes.stride(0);
+  const at::Half* scale_ptr = scales.data_ptr<at::Half>();
+  const float* offset_ptr = offsets.data_ptr<float>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t G = begin; G < end; ++G) {
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, M - r0);
+        auto run = four_bit ? group_rows<true> : group_rows<false>;
+        run(code_ptr + G * group_bytes, scale_ptr + G * num_blocks * kGroup, offset_ptr + G * num_blocks * kGroup,
+            xq, r0, rows, K, op + r0 * out.size(1) + G * kGroup, out.size(1));
+      }
+    }
+  });
+  auto y = out.narrow(1, 0, N);
+  return x.scalar_type() == torch::kFloat ? y.contiguous() : y.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "built without AVX512-VNNI");
+  return x;
+#endif
+}
+
+bool has_quantized_linear() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}

@@ -1,0 +1,159 @@
+"""Exact low-bit forms of weight matrices, packed for the native quantized matmul (kernels/quantized_linear.cpp).
+
+A GGUF file's Q4_0, Q4_1 and Q8_0 tensors dequantize to blocks of 32 weights of the form d * q + m (4-bit)
+or d * q (8-bit) with fp16 d and m. `find_packed` recognizes such a matrix from its dequantized fp32 values,
+recovers its codes and scales exactly (it checks the round trip), and packs them in the kernel's layout.
+Nothing is approximated here: a matrix that is not exactly of one of these forms (bf16 or fp32
+checkpoints, other GGUF types) gets None and stays on the bf16/fp32 path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BLOCK = 32  # weights per block along the input dimension
+GROUP = 16  # output rows per packed group (one 512-bit register of row sums)
+
+
+@dataclass
+class PackedWeight:
+    """A (out_features, in_features) matrix in the kernel's layout (see quantized_linear.cpp)."""
+
+    bits: int  # 4 or 8
+    out_features: int
+    codes: torch.Tensor  # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8
+    scales: torch.Tensor  # (N/16, K/32, 16) fp16
+    offsets: torch.Tensor  # (N/16, K/32, 16) fp32: 4-bit the mins; 8-bit zeros
+
+    def matmul(self, quantized_linear, x: torch.Tensor) -> torch.Tensor:  # x (M, K) -> (M, N), x's dtype
+        """quantized_linear: the native kernel (kernels.quantized_linear)."""
+        return quantized_linear(x, self.codes, self.scales, self.offsets, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def pack_exact_low_bit(model: nn.Module) -> int:
+    """Give every Linear of the model (and a tied embedding used as the head) its packed form where its fp32
+    weights have one: `module.packed`, `model.packed_tied_head`. Returns the bytes packed."""
+    from serval.runner.layers import Linear
+
+    num_bytes = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = find_packed(module.weight.detach())
+            num_bytes += 0 if module.packed is None else module.packed.nbytes
+    if hasattr(model, "packed_tied_head") and getattr(model, "lm_head", None) is None:
+        model.packed_tied_head = find_packed(model.embed_tokens.weight.detach())
+        num_bytes += 0 if model.packed_tied_head is None else model.packed_tied_head.nbytes
+    return num_bytes
+
+
+def find_packed(weight: torch.Tensor) -> PackedWeight | None:
+    """The exact 4-bit (preferred) or 8-bit packed form of a 2-D fp32 weight, or None if it has neither."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK != 0 or weight.dtype != torch.float32:
+        return None
+    blocks = weight.reshape(weight.shape[0], -1, BLOCK)  # (N, K/32, 32)
+    found = _exact_four_bit(blocks)
+    if found is None:
+        found = _exact_four_bit_symmetric(blocks)
+    if found is not None:
+        return _pack_four_bit(*found, weight.shape[0])
+    found = _exact_eight_bit(blocks)
+    if found is not None:
+        return _pack_eight_bit(*found, weight.shape[0])
+    return None
+
+
+def _exact_four_bit(blocks: torch.Tensor):
+    # Q4_1 stores m = min and d = (max - min) / 15, so both are read back from each block's extremes.
+    low = blocks.amin(-1)
+    scale = ((blocks.amax(-1) - low) / 15).half()
+    low_h = low.half()
+    if not (torch.isfinite(scale).all() and (low_h.float() == low).all()):
+        return None
+    d = scale.float().unsqueeze(-1)
+    codes = torch.where(d > 0, (blocks - low.unsqueeze(-1)) / d.clamp(min=1e-30), 0).round()
+    if codes.min() < 0 or codes.max() > 15:
+        return None
+    if not _round_trips(codes * d + low.unsqueeze(-1), blocks):
+        return None
+    return codes.to(torch.uint8), scale, low
+
+
+def _exact_four_bit_symmetric(blocks: torch.Tensor):
+    # Q4_0: w = d (q - 8) with d = -v / 8 for the block's value v of largest magnitude (which gets q = 0):
+    # the form d q + m with m = -8 d.
+    largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    scale = (largest / -8).half()
+    if not torch.isfinite(scale).all():
+        return None
+    d = scale.float().unsqueeze(-1)
+    low = -8 * scale.float()
+    codes = torch.where(d != 0, blocks / torch.where(d != 0, d, 1), 0).round() + 8
+    if codes.min() < 0 or codes.max() > 15:
+        return None
+    if not _round_trips(codes * d + low.unsqueeze(-1), blocks):
+        return None
+    return codes.to(torch.uint8), scale, low
+
+
+def _exact_eight_bit(blocks: torch.Tensor):
+    scale = (blocks.abs().amax(-1) / 127).half()
+    if not torch.isfinite(scale).all():
+        return None
+    d = scale.float().unsqueeze(-1)
+    codes = torch.where(d > 0, blocks / d.clamp(min=1e-30), 0).round()
+    if codes.abs().max() > 127 or not _round_trips(codes * d, blocks):
+        return None
+    return codes.to(torch.int8), scale
+
+
+def _round_trips(rebuilt: torch.Tensor, blocks: torch.Tensor) -> bool:
+    # The dequantizer's own fp32 arithmetic may round its last bit differently from ours.
+    return bool(((rebuilt - blocks).abs() <= 1e-6 * blocks.abs() + 1e-12).all())
+
+
+def _grouped(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Pad the rows (dim 0) to whole groups of 16 and move each group's rows innermost-but-one."""
+    padded_rows = -(-num_rows // GROUP) * GROUP
+    if padded_rows != num_rows:
+        t = torch.cat([t, t.new_zeros((padded_rows - num_rows, *t.shape[1:]))])
+    return t.reshape(padded_rows // GROUP, GROUP, *t.shape[1:]).transpose(1, 2)  # (N/16, K/32, 16, ...)
+
+
+def _pack_four_bit(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, num_rows: int
+) -> PackedWeight:
+    # codes (N, K/32, 32) -> per group of 16 rows, block and chunk c, byte i = (half h, row r, element e):
+    # low nibble weight 2(4c + h) + e, high nibble weight 2(4c + 2 + h) + e (see quantized_linear.cpp).
+    pairs = codes.reshape(*codes.shape[:2], 4, 2, 2, 2)  # (N, K/32, chunk c, nibble, half h, e)
+    nibbles = pairs[..., 0, :, :] | (pairs[..., 1, :, :] << 4)  # (N, K/32, c, h, e)
+    grouped = _grouped(nibbles, num_rows)  # (N/16, K/32, 16 rows, c, h, e)
+    packed = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], 4, 64)
+    return PackedWeight(
+        bits=4,
+        out_features=num_rows,
+        codes=packed.contiguous(),
+        scales=_grouped(scale, num_rows).contiguous(),
+        offsets=_grouped(low, num_rows).contiguous(),
+    )
+
+
+def _pack_eight_bit(codes: torch.Tensor, scale: torch.Tensor, num_rows: int) -> PackedWeight:
+    # Chunk c, byte i = (half h, row r, element e): weight 2(2c + h) + e.
+    pairs = codes.reshape(*codes.shape[:2], 8, 2, 2)  # (N, K/32, c, h, e)
+    grouped = _grouped(pairs, num_rows)  # (N/16, K/32, 16 rows, c, h, e)
+    packed = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], 8, 64)
+    scales = _grouped(scale, num_rows).contiguous()
+    return PackedWeight(
+        bits=8,
+        out_features=num_rows,
+        codes=packed.contiguous(),
+        scales=scales,
+        offsets=torch.zeros(scales.shape, dtype=torch.float32),
+    )

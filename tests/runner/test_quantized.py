@@ -1,0 +1,168 @@
+"""Exact low-bit packing of GGUF blocks and the native quantized matmul, against references in PyTorch."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from serval.config import CacheConfig, EngineConfig, ModelConfig
+from serval.engine.engine import Engine
+from serval.runner.batch import Batch
+from serval.runner.kernels import load_cpu_kernels
+from serval.runner.quantization import BLOCK, find_packed
+from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = load_cpu_kernels()
+    if built is None or not built.has_quantized_linear():
+        pytest.skip("the quantized kernel needs AVX512-VNNI and a C++ compiler")
+    return built
+
+
+def _gguf_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A random matrix as a GGUF file stores it in `qtype`, dequantized by gguf's own reference code."""
+    rng = np.random.default_rng(seed)
+    array = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    array[0, :5] = [3.0, -2.5, 0.0, 1e-4, -1e-4]  # an outlier block, and tiny values
+    blocks = gguf.quants.quantize(array, qtype)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(rows, cols)
+
+
+def _unpack(packed) -> torch.Tensor:
+    """The dense weights a packed form stands for, decoded independently of the packing code."""
+    groups, num_blocks = packed.codes.shape[:2]
+    d = packed.scales.float()  # (G, B, 16)
+    raw = (
+        packed.codes.view(torch.uint8).reshape(groups, num_blocks, -1, 2, 16, 2).long()
+    )  # (G, B, c, h, r, e)
+    if packed.bits == 4:
+        low, high = raw & 0xF, raw >> 4
+        # chunk c, half h, element e: low nibble = weight 2(4c + h) + e, high = weight 2(4c + 2 + h) + e
+        q = torch.stack([low, high], dim=3)  # (G, B, c, nibble, h, r, e)
+        q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(groups, 16, num_blocks, BLOCK).float()
+        w = q * d.permute(0, 2, 1)[..., None] + packed.offsets.permute(0, 2, 1)[..., None]
+    else:
+        q = torch.where(raw > 127, raw - 256, raw)  # int8
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(groups, 16, num_blocks, BLOCK).float()
+        w = q * d.permute(0, 2, 1)[..., None]
+    return w.reshape(groups * 16, num_blocks * BLOCK)[: packed.out_features]
+
+
+@pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
+def test_gguf_blocks_are_recovered_exactly(qtype):
+    weight = _gguf_matrix(qtype, 40, 96, seed=1)  # 40 rows: the last group of 16 is padded
+    packed = find_packed(weight)
+    assert packed is not None and packed.bits == BITS[qtype]
+    assert torch.equal(_unpack(packed), weight)
+
+
+def test_weights_without_an_exact_form_are_left_alone():
+    torch.manual_seed(0)
+    assert find_packed(torch.randn(32, 64)) is None
+    assert find_packed(torch.randn(32, 64).bfloat16().float()) is None  # bf16 values are not 4/8-bit blocks
+    assert find_packed(torch.randn(32, 48)) is None  # width not a multiple of 32
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    """What the kernel computes: x rounded per block of 32 to int16 (scale max|x| / 32767); for 4-bit
+    blocks (w = d q + m) the term m * sum(x_b) uses the exact x."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = (torch.where(amax > 0, torch.round(xb * (32767 / amax)), 0) * (amax / 32767)).reshape(m, k)
+    if packed.bits == 8:
+        return xq.double() @ weight.double().t()
+    wb = weight.reshape(weight.shape[0], -1, BLOCK)
+    low = packed.offsets.permute(0, 2, 1).reshape(-1, wb.shape[1])[: weight.shape[0]]  # m per row and block
+    scaled = (wb - low[..., None]).reshape(weight.shape)  # d * q
+    return xq.double() @ scaled.double().t() + x.double().reshape(m, -1, BLOCK).sum(-1) @ low.double().t()
+
+
+@pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17])
+def test_quantized_matmul_matches_reference(kernels, qtype, rows):
+    weight = _gguf_matrix(qtype, 72, 160, seed=rows)
+    packed = find_packed(weight)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 160) * 4
+    x[0, 3] = 900.0  # an outlier channel
+    got = packed.matmul(kernels.quantized_linear, x)
+    assert got.shape == (rows, 72) and got.dtype == torch.float32
+    expected = _reference(x, weight, packed).float()
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
+    # And close to the exact product: int16 rounding of x is 2^-15 of each block's largest value.
+    exact = x.double() @ weight.double().t()
+    assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
+    got_bf16 = packed.matmul(kernels.quantized_linear, x.bfloat16())
+    assert got_bf16.dtype == torch.bfloat16
+
+
+def _decode_logits_both_ways(engine: Engine, prompts: list[list[int]]):
+    """One decode step over the prompts' sequences, once through the native DecodeStack and once through
+    the Python layers, from the same cache state: (stack logits, python logits)."""
+    runner = engine.runner
+    block_size = runner.block_size
+    tables, next_block = [], 0
+    for prompt in prompts:
+        count = -(-(len(prompt) + 1) // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    prefill = Batch(
+        [t for p in prompts for t in p], [len(p) for p in prompts], [0] * len(prompts), tables, [], []
+    )
+    runner.compute_logits(prefill)
+    decode = Batch([5] * len(prompts), [1] * len(prompts), [len(p) for p in prompts], tables,
+                   list(range(len(prompts))), [])  # fmt: skip
+    assert runner.model.decode_stack is not None
+    stacked = runner.compute_logits(decode)
+    stack, runner.model.decode_stack = runner.model.decode_stack, None
+    try:
+        layered = runner.compute_logits(decode)  # rewrites the same K/V slots with the same values
+    finally:
+        runner.model.decode_stack = stack
+    return stacked, layered
+
+
+PROMPTS = [list(range(3, 40)), [7, 99, 250, 13, 13, 13, 5], list(range(300, 340, 2))]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
+def test_decode_stack_computes_what_the_layers_compute(tiny_model_factory, kernels, architecture):
+    directory, _ = tiny_model_factory(architecture, False)
+    for dtype in ("float32", "bfloat16"):
+        config = EngineConfig(
+            model=ModelConfig(model=directory, dtype=dtype), cache=CacheConfig(num_blocks=32)
+        )
+        stacked, layered = _decode_logits_both_ways(Engine(config), PROMPTS)
+        assert torch.equal(stacked, layered), dtype
+
+
+def test_decode_stack_with_packed_gguf_weights(tiny_model_factory, kernels, tmp_path):
+    # Q4_1 matrices and a tied Q8_0-style head are packed on the bf16 path; the stack and the layers agree,
+    # and both stay close to the fp32 engine on the same file (which never uses the packed forms).
+    _, reference = tiny_model_factory("llama", True)
+    path = str(tmp_path / "q4_1.gguf")
+    write_gguf_from_state_dict(
+        path, reference.config.to_dict(), reference.state_dict(), qtype_for_matrices=GGMLQuantizationType.Q4_1
+    )
+    bf16 = Engine(
+        EngineConfig(model=ModelConfig(model=path, dtype="bfloat16"), cache=CacheConfig(num_blocks=32))
+    )
+    model = bf16.runner.model
+    assert model.layers[0].mlp.gate_up_proj.quantized_kernel is not None
+    assert model.packed_tied_head is not None and model.packed_tied_head.bits == 4
+    stacked, layered = _decode_logits_both_ways(bf16, PROMPTS)
+    assert torch.equal(stacked, layered)
+    fp32 = Engine(
+        EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(num_blocks=32))
+    )
+    assert fp32.runner.model.layers[0].mlp.gate_up_proj.quantized_kernel is None
+    exact, _ = _decode_logits_both_ways(fp32, PROMPTS)
+    assert (stacked - exact).abs().max().item() < 0.05 * exact.abs().max().item()
