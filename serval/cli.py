@@ -9,6 +9,7 @@ defaults of the config dataclasses, a MindIE-style config.json given with --conf
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -89,6 +90,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, help="seed of unseeded sampling")
+    p.add_argument(
+        "--single-sequence-threads",
+        type=int,
+        help="CPU threads for a decode step of one lone sequence (default 1: the server needs the other "
+        "cores; 0: all)",
+    )
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
     p.add_argument("--max-input-tokens", type=int, help="longest prompt accepted (MindIE maxInputTokenLen)")
     p.add_argument("--max-iter-times", type=int, help="default and cap of max_tokens (MindIE maxIterTimes)")
@@ -144,7 +151,8 @@ def _pick(options: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
 def engine_config(options: dict[str, Any]) -> EngineConfig:
     model = ModelConfig(
         **_pick(options, {"model": "model", "dtype": "dtype", "device": "device", "seed": "seed",
-                          "max_model_len": "max_model_len"})
+                          "max_model_len": "max_model_len"}),
+        single_sequence_threads=options.get("single_sequence_threads", 1),
     )  # fmt: skip
     cache = CacheConfig(
         **_pick(options, {"block_size": "block_size", "kv_cache_memory_bytes": "kv_cache_memory_bytes",
@@ -219,6 +227,9 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
             tool_call_format=server.tool_call_parser,
         )
         app = build_app(server, frontend)
+        # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out
+        # of the collector's reach, its full passes no longer walk them in the middle of engine steps.
+        gc.freeze()
         scheme = "https" if server.ssl_certfile else "http"
         logging.getLogger("serval").info(
             "serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port

@@ -21,8 +21,14 @@ class ModelConfig:
     # Longest prompt + completion; None: the model's own context length.
     max_model_len: int | None = None
     seed: int = 0  # seeds the global generator used by unseeded sampling
+    # CPU threads for a decode step of one lone sequence; 0: all of torch's. Such a step is bound by memory,
+    # not arithmetic, and in a server the event loop and the clients need a core meanwhile: `serval serve`
+    # uses 1 (docs/benchmarks.md has the measurements).
+    single_sequence_threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.single_sequence_threads < 0:
+            raise ValueError(f"single_sequence_threads must be >= 0, got {self.single_sequence_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

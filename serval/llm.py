@@ -8,6 +8,7 @@ one's prompt blocks, or a beam search. A stop string ends a request at its first
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -86,6 +87,7 @@ class LLM:
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
         self._next_id = 0
+        gc.freeze()  # the model's long-lived objects leave the collector's passes (as in `serval serve`)
 
     def generate(
         self,

@@ -95,6 +95,8 @@ class ModelRunner:
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
             self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
+        self.num_threads = torch.get_num_threads()
+        self.single_sequence_threads = model_config.single_sequence_threads or self.num_threads
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
@@ -189,6 +191,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:
+        is_lone_decode = batch.num_seqs == 1 and batch.num_new_tokens[0] == 1
+        threads = self.single_sequence_threads if is_lone_decode else self.num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)

@@ -18,7 +18,7 @@ torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  parallel_chunks(N, std::max<int64_t>(16, N / 32), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint16_t* wrow = wp + n * K;
       // Rows of x in groups of 8 (8 accumulators stay in registers); the weight row stays in L1 across

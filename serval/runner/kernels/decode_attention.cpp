@@ -149,7 +149,7 @@ void decode_attention_impl(
   const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
   const int64_t block_stride = block_size * slot_stride;
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(head_dim), row(head_dim), acc(head_dim), scores;
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {

@@ -19,6 +19,8 @@
 // of each block of x.
 #include "common.h"
 
+using namespace serval_kernels;
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -132,7 +134,8 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const int64_t group_bytes = codes.stride(0);
   const at::Half* scale_ptr = scales.data_ptr<at::Half>();
   const float* offset_ptr = offsets.data_ptr<float>();
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+  // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
+  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
     for (int64_t G = begin; G < end; ++G) {
       for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - r0);
