@@ -54,6 +54,18 @@ def start(command: str, port: int, log_path: str) -> subprocess.Popen:
     raise RuntimeError(f"{command!r} did not become healthy; see {log_path}")
 
 
+def peak_rss_mib(process: subprocess.Popen) -> float | None:
+    """The server's peak resident memory so far (VmHWM), read before it is stopped."""
+    try:
+        with open(f"/proc/{process.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.kill(process.pid, signal.SIGTERM)
@@ -99,6 +111,9 @@ def main() -> None:
             process = start(command, port, f"/tmp/bench-{label}.log")
             try:
                 results[label] += run_levels(label, port, args)
+                print(
+                    json.dumps({"server": label, "round": round_index, "peak_rss_mib": peak_rss_mib(process)})
+                )
             finally:
                 stop(process)
     for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -110,11 +125,14 @@ def main() -> None:
         ours, theirs = median("serval", "output_tokens_per_s"), median(args.peer_label, "output_tokens_per_s")
         ttft_ours = median("serval", "ttft_ms", "p50")
         ttft_theirs = median(args.peer_label, "ttft_ms", "p50")
+        itl_ours, itl_theirs = median("serval", "itl_ms", "p50"), median(args.peer_label, "itl_ms", "p50")
         print(json.dumps({
             "compare": f"serval vs {args.peer_label}", "concurrency": concurrency, "rounds": args.rounds,
             "serval_tok_s": ours, "peer_tok_s": theirs, "throughput_ratio": round(ours / theirs, 2),
             "serval_ttft_p50_ms": ttft_ours, "peer_ttft_p50_ms": ttft_theirs,
             "ttft_ratio": round(ttft_ours / ttft_theirs, 2),
+            "serval_itl_p50_ms": itl_ours, "peer_itl_p50_ms": itl_theirs,
+            "per_stream_decode_ratio": round(itl_theirs / itl_ours, 2),
         }), flush=True)  # fmt: skip
 
 

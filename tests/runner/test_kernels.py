@@ -12,6 +12,16 @@ from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import GatedMLP, RMSNorm, use_native_kernels
 
 
+def test_kernels_build_wherever_there_is_a_compiler():
+    # The fallback to PyTorch is for machines without a C++ toolchain; a source that stops compiling must
+    # fail here rather than turn every kernel test into a skip.
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert load_cpu_kernels() is not None
+
+
 @pytest.fixture(scope="module")
 def kernels():
     built = load_cpu_kernels()
@@ -84,3 +94,20 @@ def test_rotary_kernel_matches_pytorch_on_strided_views(kernels, dtype):
     assert (got_q.float() - expected_q.float()).abs().max().item() < tolerance
     assert (got_k.float() - expected_k.float()).abs().max().item() < tolerance
     assert got_q.data_ptr() == q.data_ptr()  # rotated where it lies, no copy
+
+
+def test_lone_decode_steps_run_on_the_configured_threads(tiny_model_factory, monkeypatch):
+    directory, _ = tiny_model_factory("llama", False)
+    config = EngineConfig(
+        model=ModelConfig(model=directory, single_sequence_threads=1), cache=CacheConfig(num_blocks=32)
+    )
+    runner = Engine(config).runner
+    seen = []
+    compute = runner.compute_logits
+    monkeypatch.setattr(
+        runner, "compute_logits", lambda batch: (seen.append(torch.get_num_threads()), compute(batch))[1]
+    )
+    runner.execute(Batch([3, 4, 5], [3], [0], [[0]], [], []))  # a prefill: every thread
+    runner.execute(Batch([6], [1], [3], [[0]], [], []))  # a lone decode: one
+    runner.execute(Batch([6, 7], [1, 1], [3, 0], [[0], [1]], [], []))  # two sequences: every thread
+    assert seen == [runner.num_threads, 1, runner.num_threads]
