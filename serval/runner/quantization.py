@@ -57,6 +57,24 @@ def find_packed(weight: torch.Tensor) -> PackedWeight | None:
     """The exact 4-bit (preferred) or 8-bit packed form of a 2-D fp32 weight, or None if it has neither."""
     if weight.dim() != 2 or weight.shape[1] % BLOCK != 0 or weight.dtype != torch.float32:
         return None
+    # In slices of rows (whole groups): the checks' fp32 temporaries of a 49,152-row embedding would
+    # otherwise add hundreds of MB to the load's peak memory.
+    step = 128 * GROUP
+    parts = [_find_packed_rows(weight[start : start + step]) for start in range(0, weight.shape[0], step)]
+    if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return PackedWeight(
+        bits=parts[0].bits,
+        out_features=weight.shape[0],
+        codes=torch.cat([p.codes for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=torch.cat([p.offsets for p in parts]),
+    )
+
+
+def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:
     blocks = weight.reshape(weight.shape[0], -1, BLOCK)  # (N, K/32, 32)
     found = _exact_four_bit(blocks)
     if found is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from serval.config import CacheConfig, LoraConfig, ModelConfig
@@ -143,13 +144,19 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.arch
         shape = (self.num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(a.num_layers)
-        ]
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(a.num_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # NOTE: calloc'd (numpy's zeros), not torch.zeros, which writes every byte: the OS hands out zero
+        # pages as slots are first written, so resident memory follows the blocks in use, not the budget.
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        numel = 1
+        for size in shape:
+            numel *= size
+        raw = np.zeros(numel, dtype={2: np.int16, 4: np.int32, 8: np.int64}[element_size])
+        return torch.from_numpy(raw).view(self.dtype).view(shape)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer's K and V rows) from source to destination block ids."""
@@ -192,9 +199,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:
         is_lone_decode = batch.num_seqs == 1 and batch.num_new_tokens[0] == 1
-        threads = self.single_sequence_threads if is_lone_decode else self.num_threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        if not is_lone_decode or self.single_sequence_threads == self.num_threads:
+            return self._execute(batch)
+        # Set for this step only: the thread count is the process's, and others may build runners after.
+        torch.set_num_threads(self.single_sequence_threads)
+        try:
+            return self._execute(batch)
+        finally:
+            torch.set_num_threads(self.num_threads)
+
+    def _execute(self, batch: Batch) -> SamplerOutput:
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)

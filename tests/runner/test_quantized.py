@@ -56,8 +56,9 @@ def _unpack(packed) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
-def test_gguf_blocks_are_recovered_exactly(qtype):
-    weight = _gguf_matrix(qtype, 40, 96, seed=1)  # 40 rows: the last group of 16 is padded
+@pytest.mark.parametrize("rows", [40, 2100])  # a padded last group; several slices of 2048 rows
+def test_gguf_blocks_are_recovered_exactly(qtype, rows):
+    weight = _gguf_matrix(qtype, rows, 96, seed=1)
     packed = find_packed(weight)
     assert packed is not None and packed.bits == BITS[qtype]
     assert torch.equal(_unpack(packed), weight)

@@ -62,10 +62,12 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 #endif
 
-// f(begin, end) over [0, n) in chunks of `grain`, handed out one at a time (OpenMP's dynamic schedule).
+// f(begin, end) over [0, n) in chunks of `grain`, handed out by OpenMP's guided schedule: each thread first
+// takes a large share, then ever smaller pieces of what is left.
 // NOTE: not at::parallel_for's static split. In a server the engine's threads share the cores with the
-// event loop and the HTTP clients; a static split makes every thread wait at the end for a preempted one's
-// whole share (measured: a 4 ms decode step took 11 ms in the server), a dynamic one for one chunk at most.
+// event loop and the HTTP clients; with a static split every thread waits at the end for a preempted one's
+// whole share. One stream on 2 cores, 2 threads: static 11.1 ms a token, dynamic (chunks one at a time;
+// its overhead doubles the small matmuls) 7.2 ms, guided 6.0 ms (docs/benchmarks.md).
 template <typename F>
 inline void parallel_chunks(int64_t n, int64_t grain, const F& f) {
   grain = std::max<int64_t>(grain, 1);
@@ -75,7 +77,7 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f) {
     f(0, n);
     return;
   }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
   for (int64_t c = 0; c < num_chunks; ++c) f(c * grain, std::min(n, (c + 1) * grain));
 }
 

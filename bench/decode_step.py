@@ -1,0 +1,116 @@
+"""Engine decode-step latency at fixed batch sizes, with the native decode paths switched on and off.
+
+For each batch size: that many requests with distinct random 128-token prompts are prefilled, then every
+variant times `--steps` decode steps in turn (engine.step(): schedule, run, sample, update), round robin so
+that drift on a shared machine hits all of them alike. One JSON line per (batch size, variant): median and
+10th percentile in ms, and tokens/s at the median.
+
+Variants, all in one process on the same weights:
+  layers          the Python decoder layers (native norm/RoPE/attention/small-matmul kernels)
+  stack           + DecodeStack: every layer of a decode-only step in one native call
+  stack+packed    + the exact 4/8-bit packed weights for matmuls of up to 8 rows (the default)
+
+    .venv/bin/python bench/decode_step.py --batch-sizes 1,8,16,64
+    OMP_NUM_THREADS=1 .venv/bin/python bench/decode_step.py --batch-sizes 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def set_packed(model, packed: dict, on: bool) -> None:
+    """Switch the quantized kernels of the packed Linear layers (and the tied head) on or off."""
+    for module, kernel in packed.items():
+        if module is model:
+            model.tied_head_quantized_kernel = kernel if on else None
+        else:
+            module.quantized_kernel = kernel if on else None
+
+
+def build_variants(runner) -> dict[str, tuple]:
+    """variant -> (decode stack or None, packed weights on)."""
+    from serval.runner.kernels import load_cpu_kernels
+    from serval.runner.layers import Linear
+
+    model = runner.model
+    packed = {m: m.quantized_kernel for m in model.modules() if isinstance(m, Linear) and m.quantized_kernel}
+    if getattr(model, "tied_head_quantized_kernel", None) is not None:
+        packed[model] = model.tied_head_quantized_kernel
+    full_stack = model.decode_stack
+    plain_stack = None
+    if full_stack is not None:
+        set_packed(model, packed, False)  # a stack built now holds no packed forms
+        plain_stack = model.make_decode_stack(load_cpu_kernels(), runner.kv_caches, runner.block_size)
+        set_packed(model, packed, True)
+    variants = {"layers": (None, False), "stack": (plain_stack, False), "stack+packed": (full_stack, True)}
+    return {name: (stack, on, packed) for name, (stack, on) in variants.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-sizes", default="1,8,16,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="layers,stack,stack+packed")
+    args = parser.parse_args()
+
+    from serval import LLM, SamplingParams
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    variants = args.variants.split(",")
+    llm = LLM(model=args.model, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    engine, runner = llm.engine, llm.engine.runner
+    model = runner.model
+    available = build_variants(runner)
+    rng = random.Random(0)
+    vocab_size = runner.info.vocab_size
+    total_steps = len(variants) * args.rounds * (args.steps + 2)
+    params = SamplingParams(temperature=0.0, max_tokens=total_steps + 8, ignore_eos=True)
+    for batch_size in tqdm(batch_sizes, desc="batch sizes", disable=None, file=sys.stderr):
+        for i in range(batch_size):
+            prompt = [rng.randrange(100, vocab_size) for _ in range(args.prompt_len)]
+            engine.add_request(f"b{batch_size}-{i}", prompt, params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for variant in variants:
+                stack, packed_on, packed = available[variant]
+                model.decode_stack = stack
+                set_packed(model, packed, packed_on)
+                engine.step()
+                engine.step()  # warm-up after a switch
+                for _ in range(args.steps):
+                    started = time.perf_counter()
+                    engine.step()
+                    times[variant].append(time.perf_counter() - started)
+        stack, packed_on, packed = available["stack+packed"]
+        model.decode_stack = stack
+        set_packed(model, packed, packed_on)
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+        for variant, samples in times.items():
+            samples.sort()
+            median = statistics.median(samples)
+            print(json.dumps({
+                "bench": "decode_step", "batch_size": batch_size, "variant": variant,
+                "threads": runner.num_threads, "dtype": runner.info.dtype,
+                "median_ms": round(median * 1e3, 2), "p10_ms": round(samples[len(samples) // 10] * 1e3, 2),
+                "tokens_per_s": round(batch_size / median, 1),
+            }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
