@@ -62,14 +62,19 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 #endif
 
-// f(begin, end) over [0, n) in chunks of `grain`, handed out by OpenMP's guided schedule: each thread first
-// takes a large share, then ever smaller pieces of what is left.
+// How parallel_chunks hands out its chunks (see there).
+enum class Schedule { kGuided, kDynamic };
+
+// f(begin, end) over [0, n) in chunks of `grain`, handed out as the threads ask for them:
+//   kGuided: each thread first takes a large share, then ever smaller pieces of what is left (matmuls,
+//            whose chunks are small: handing them out one at a time doubles the cost of a decode matmul);
+//   kDynamic: one chunk at a time (attention, whose tasks take microseconds each: guided's first big
+//            shares made a 64-sequence step 20% slower).
 // NOTE: not at::parallel_for's static split. In a server the engine's threads share the cores with the
 // event loop and the HTTP clients; with a static split every thread waits at the end for a preempted one's
-// whole share. One stream on 2 cores, 2 threads: static 11.1 ms a token, dynamic (chunks one at a time;
-// its overhead doubles the small matmuls) 7.2 ms, guided 6.0 ms (docs/benchmarks.md).
+// whole share. One stream on 2 cores, 2 threads: static 11.1 ms a token, guided 6.0 ms (benchmarks.md).
 template <typename F>
-inline void parallel_chunks(int64_t n, int64_t grain, const F& f) {
+inline void parallel_chunks(int64_t n, int64_t grain, const F& f, Schedule schedule = Schedule::kGuided) {
   grain = std::max<int64_t>(grain, 1);
   const int64_t num_chunks = (n + grain - 1) / grain;
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_chunks);
@@ -77,8 +82,13 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f) {
     f(0, n);
     return;
   }
+  if (schedule == Schedule::kGuided) {
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
-  for (int64_t c = 0; c < num_chunks; ++c) f(c * grain, std::min(n, (c + 1) * grain));
+    for (int64_t c = 0; c < num_chunks; ++c) f(c * grain, std::min(n, (c + 1) * grain));
+  } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t c = 0; c < num_chunks; ++c) f(c * grain, std::min(n, (c + 1) * grain));
+  }
 }
 
 }  // namespace serval_kernels

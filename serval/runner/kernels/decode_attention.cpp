@@ -176,7 +176,7 @@ void decode_attention_impl(
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d]);
       }
     }
-  });
+  }, Schedule::kDynamic);
 }
 
 }  // namespace
