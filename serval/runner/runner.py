@@ -20,7 +20,6 @@ from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.sampler import Sampler
 
-
 PAGE = 4096
 
 
