@@ -90,17 +90,9 @@ def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:
 def _exact_four_bit(blocks: torch.Tensor):
     # Q4_1 stores m = min and d = (max - min) / 15, so both are read back from each block's extremes.
     low = blocks.amin(-1)
-    scale = ((blocks.amax(-1) - low) / 15).half()
-    low_h = low.half()
-    if not (torch.isfinite(scale).all() and (low_h.float() == low).all()):
+    if not (low.half().float() == low).all():
         return None
-    d = scale.float().unsqueeze(-1)
-    codes = torch.where(d > 0, (blocks - low.unsqueeze(-1)) / d.clamp(min=1e-30), 0).round()
-    if codes.min() < 0 or codes.max() > 15:
-        return None
-    if not _round_trips(codes * d + low.unsqueeze(-1), blocks):
-        return None
-    return codes.to(torch.uint8), scale, low
+    return _four_bit_codes(blocks, ((blocks.amax(-1) - low) / 15).half(), low)
 
 
 def _exact_four_bit_symmetric(blocks: torch.Tensor):
@@ -108,11 +100,15 @@ def _exact_four_bit_symmetric(blocks: torch.Tensor):
     # the form d q + m with m = -8 d.
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
     scale = (largest / -8).half()
+    return _four_bit_codes(blocks, scale, -8 * scale.float())
+
+
+def _four_bit_codes(blocks: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
+    """(codes, scale, low) if every block is exactly scale * q + low with q in 0..15, else None."""
     if not torch.isfinite(scale).all():
         return None
     d = scale.float().unsqueeze(-1)
-    low = -8 * scale.float()
-    codes = torch.where(d != 0, blocks / torch.where(d != 0, d, 1), 0).round() + 8
+    codes = torch.where(d != 0, (blocks - low.unsqueeze(-1)) / torch.where(d != 0, d, 1), 0).round()
     if codes.min() < 0 or codes.max() > 15:
         return None
     if not _round_trips(codes * d + low.unsqueeze(-1), blocks):

@@ -153,8 +153,8 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         # NOTE: calloc'd (numpy's zeros), not torch.zeros, which writes every byte: the OS hands out zero
         # pages as slots are first written, so resident memory follows the blocks in use, not the budget.
-        # Aligned to a page by hand: numpy's buffers are only 16-byte aligned, which splits a 128-byte K row
-        # over three cache lines (measured: 10-20% slower decode attention).
+        # Aligned to a page by hand: numpy's buffers are only 16-byte aligned, which would put a 128-byte K
+        # row on three cache lines instead of two.
         num_bytes = torch.tensor([], dtype=self.dtype).element_size()
         for size in shape:
             num_bytes *= size
