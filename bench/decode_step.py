@@ -35,8 +35,8 @@ def set_packed(model, packed: dict, on: bool) -> None:
             module.quantized_kernel = kernel if on else None
 
 
-def build_variants(runner) -> dict[str, tuple]:
-    """variant -> (decode stack or None, packed weights on)."""
+def build_variants(runner) -> tuple[dict[str, tuple], dict]:
+    """({variant: (decode stack or None, packed weights on)}, {module: its quantized kernel})."""
     from serval.runner.kernels import load_cpu_kernels
     from serval.runner.layers import Linear
 
@@ -51,7 +51,13 @@ def build_variants(runner) -> dict[str, tuple]:
         plain_stack = model.make_decode_stack(load_cpu_kernels(), runner.kv_caches, runner.block_size)
         set_packed(model, packed, True)
     variants = {"layers": (None, False), "stack": (plain_stack, False), "stack+packed": (full_stack, True)}
-    return {name: (stack, on, packed) for name, (stack, on) in variants.items()}
+    return variants, packed
+
+
+def use_variant(model, variants: dict[str, tuple], packed: dict, variant: str) -> None:
+    stack, packed_on = variants[variant]
+    model.decode_stack = stack
+    set_packed(model, packed, packed_on)
 
 
 def main() -> None:
@@ -73,7 +79,7 @@ def main() -> None:
     llm = LLM(model=args.model, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     engine, runner = llm.engine, llm.engine.runner
     model = runner.model
-    available = build_variants(runner)
+    available, packed = build_variants(runner)
     rng = random.Random(0)
     vocab_size = runner.info.vocab_size
     total_steps = len(variants) * args.rounds * (args.steps + 2)
@@ -87,18 +93,14 @@ def main() -> None:
         times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant in variants:
-                stack, packed_on, packed = available[variant]
-                model.decode_stack = stack
-                set_packed(model, packed, packed_on)
+                use_variant(model, available, packed, variant)
                 engine.step()
                 engine.step()  # warm-up after a switch
                 for _ in range(args.steps):
                     started = time.perf_counter()
                     engine.step()
                     times[variant].append(time.perf_counter() - started)
-        stack, packed_on, packed = available["stack+packed"]
-        model.decode_stack = stack
-        set_packed(model, packed, packed_on)
+        use_variant(model, available, packed, "stack+packed")
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
         for variant, samples in times.items():

@@ -32,25 +32,17 @@ class PackedWeight:
         """quantized_linear: the native kernel (kernels.quantized_linear)."""
         return quantized_linear(x, self.codes, self.scales, self.offsets, self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
-
-def pack_exact_low_bit(model: nn.Module) -> int:
+def pack_exact_low_bit(model: nn.Module) -> None:
     """Give every Linear of the model (and a tied embedding used as the head) its packed form where its fp32
-    weights have one: `module.packed`, `model.packed_tied_head`. Returns the bytes packed."""
+    weights have one: `module.packed`, `model.packed_tied_head`."""
     from serval.runner.layers import Linear
 
-    num_bytes = 0
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = find_packed(module.weight.detach())
-            num_bytes += 0 if module.packed is None else module.packed.nbytes
     if hasattr(model, "packed_tied_head") and getattr(model, "lm_head", None) is None:
         model.packed_tied_head = find_packed(model.embed_tokens.weight.detach())
-        num_bytes += 0 if model.packed_tied_head is None else model.packed_tied_head.nbytes
-    return num_bytes
 
 
 def find_packed(weight: torch.Tensor) -> PackedWeight | None:

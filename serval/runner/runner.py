@@ -5,6 +5,7 @@ Tensors only. The engine decides what to compute; the runner computes it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,7 +135,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         a = self.arch
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        element_size = self.dtype.itemsize
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element_size
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
@@ -155,9 +156,7 @@ class ModelRunner:
         # pages as slots are first written, so resident memory follows the blocks in use, not the budget.
         # Aligned to a page by hand: numpy's buffers are only 16-byte aligned, which would put a 128-byte K
         # row on three cache lines instead of two.
-        num_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        for size in shape:
-            num_bytes *= size
+        num_bytes = self.dtype.itemsize * math.prod(shape)
         raw = np.zeros(num_bytes + PAGE, dtype=np.uint8)
         start = -raw.ctypes.data % PAGE
         return torch.from_numpy(raw[start : start + num_bytes]).view(self.dtype).view(shape)
