@@ -5,9 +5,10 @@ slot = block_id * block_size + offset. A step's tokens are flattened into one va
 depends only on the step (slot mapping, gather indices, masks) is built once in `AttentionMetadata.build`
 and reused by every layer, so per-layer work is tensor ops only.
 
-Sequences that compute one token (decodes) run through the native kernel (kernels/, reading the cache in
-place) when it is built, else as one padded SDPA call over gathered K/V; sequences that compute several
-(prefill chunks) run one SDPA call each, causal with an offset when part of their context is already cached.
+Sequences that compute one token (decodes) run through the native decode kernel (kernels/, reading the
+cache in place) when it is built, else as one padded SDPA call over gathered K/V. Sequences that compute
+several (prefill chunks) run through the native prefill kernel, all in one call, reading the cache in place
+too; else one SDPA call each, causal with an offset when part of their context is already cached.
 """
 
 from __future__ import annotations
@@ -29,18 +30,30 @@ class PrefillSlice:
 
 
 @dataclass
+class NativePrefills:
+    """The prefilling sequences of a step, as the native prefill kernel reads them."""
+
+    block_tables: torch.Tensor  # (num_prefills, max_blocks) int64
+    query_starts: torch.Tensor  # (num_prefills,) first row of each sequence's tokens in the flat batch
+    query_lens: torch.Tensor  # (num_prefills,) new tokens
+    context_lens: torch.Tensor  # (num_prefills,) cached + new tokens
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) where each new token's K/V is written
     decode_rows: torch.Tensor | None  # (num_decodes,) rows of the flat batch that are single-token sequences
     decode_slots: torch.Tensor | None  # (num_decodes, max_context_len) slots to gather, padded with slot 0
     decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_context_len) bool, False on padding
-    prefills: list[PrefillSlice]
+    prefills: list[PrefillSlice]  # for the SDPA path; empty when native_prefills is set
     # With a native decode kernel, decodes read the cache in place through these instead of decode_slots:
     decode_kernel: Callable | None = None
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int64
     decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int64
     block_size: int = 0
     is_decode_only: bool = False  # every sequence computes one token (the native DecodeStack's case)
+    prefill_kernel: Callable | None = None
+    native_prefills: NativePrefills | None = None
 
     @classmethod
     def build(
@@ -51,6 +64,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         decode_kernel: Callable | None = None,
+        prefill_kernel: Callable | None = None,
     ) -> AttentionMetadata:
         num_seqs = len(num_new_tokens)
         max_blocks = max(len(t) for t in block_tables)
@@ -81,20 +95,19 @@ class AttentionMetadata:
                 max_len = int(context[is_decode].max())
                 decode_slots = slots[is_decode, :max_len].to(device)
                 decode_mask = in_context[is_decode, :max_len][:, None, None, :].to(device)
+        native_prefills = None
         prefills: list[PrefillSlice] = []
-        row = 0
-        for i, (num_new, num_computed) in enumerate(zip(num_new_tokens, num_computed_tokens)):
-            if num_new > 1 and num_computed == 0:
-                prefills.append(PrefillSlice(row, num_new, num_new, None, None))
-            elif num_new > 1:
-                context_len = num_computed + num_new
-                # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
-                q_pos = torch.arange(num_computed, context_len, device=device)
-                k_pos = torch.arange(context_len, device=device)
-                mask = k_pos[None, :] <= q_pos[:, None]
-                context_slots = slots[i, :context_len].to(device)
-                prefills.append(PrefillSlice(row, num_new, context_len, context_slots, mask))
-            row += num_new
+        is_prefill = new > 1
+        if prefill_kernel is not None and bool(is_prefill.any()):
+            starts = new.cumsum(0) - new
+            native_prefills = NativePrefills(
+                block_tables=tables[is_prefill].to(device),
+                query_starts=starts[is_prefill].to(device),
+                query_lens=new[is_prefill].to(device),
+                context_lens=context[is_prefill].to(device),
+            )
+        elif bool(is_prefill.any()):
+            prefills = _sdpa_prefills(num_new_tokens, num_computed_tokens, slots, device)
         return cls(
             slot_mapping=slot_mapping.to(device),
             decode_rows=decode_rows_t,
@@ -105,8 +118,30 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             block_size=block_size,
-            is_decode_only=not prefills and decode_kernel is not None,
+            is_decode_only=not prefills and native_prefills is None and decode_kernel is not None,
+            prefill_kernel=prefill_kernel,
+            native_prefills=native_prefills,
         )
+
+
+def _sdpa_prefills(
+    num_new_tokens: list[int], num_computed_tokens: list[int], slots: torch.Tensor, device: torch.device
+) -> list[PrefillSlice]:
+    prefills = []
+    row = 0
+    for i, (num_new, num_computed) in enumerate(zip(num_new_tokens, num_computed_tokens)):
+        if num_new > 1 and num_computed == 0:
+            prefills.append(PrefillSlice(row, num_new, num_new, None, None))
+        elif num_new > 1:
+            context_len = num_computed + num_new
+            # Query i sits at position num_computed + i and sees keys 0..num_computed + i.
+            q_pos = torch.arange(num_computed, context_len, device=device)
+            k_pos = torch.arange(context_len, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            context_slots = slots[i, :context_len].to(device)
+            prefills.append(PrefillSlice(row, num_new, context_len, context_slots, mask))
+        row += num_new
+    return prefills
 
 
 def paged_attention(
@@ -121,9 +156,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)  # index_copy_ is several times cheaper than index_put
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    paged = (-1, meta.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
     if meta.decode_kernel is not None and meta.decode_rows is not None:
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        paged = (-1, meta.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
         out[meta.decode_rows] = meta.decode_kernel(
             q[meta.decode_rows],
             k_cache.view(paged),
@@ -140,6 +175,12 @@ def paged_attention(
             q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
         out[meta.decode_rows] = o.squeeze(2)
+    if meta.native_prefills is not None:
+        n = meta.native_prefills
+        meta.prefill_kernel(
+            q, k_cache.view(paged), v_cache.view(paged), n.block_tables, n.query_starts, n.query_lens,
+            n.context_lens, scale, out,
+        )  # fmt: skip
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_new_tokens)
         q_p = q[rows].transpose(0, 1)  # (num_heads, num_new, head_dim)

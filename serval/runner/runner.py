@@ -87,9 +87,10 @@ class ModelRunner:
             cache_config.kv_cache_memory_bytes
         )
         self.kv_caches = self._allocate_kv_cache()
-        self.decode_kernel = None
+        self.decode_kernel = self.prefill_kernel = None
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
+            self.prefill_kernel = kernels.paged_prefill_attention
             use_native_kernels(self.model, kernels)
             if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
                 self.model.tied_head_kernel = kernels.bf16_linear_small_batch
@@ -191,6 +192,7 @@ class ModelRunner:
             self.block_size,
             device,
             self.decode_kernel,
+            self.prefill_kernel,
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=device)

@@ -1,4 +1,4 @@
-"""Paged attention: the native decode kernel and the PyTorch paths agree with dense SDPA on the same data."""
+"""Paged attention: the native decode and prefill kernels and the PyTorch paths agree with dense SDPA."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def _dense_reference(q, k_ctx, v_ctx, num_computed):
 @pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_matches_dense_attention(use_kernel, dtype):
-    kernel = None
+    decode_kernel = prefill_kernel = None
     if use_kernel:
         kernels = load_cpu_kernels()
         if kernels is None:
             pytest.skip("native kernels could not be built here")
-        kernel = kernels.paged_decode_attention
+        decode_kernel, prefill_kernel = kernels.paged_decode_attention, kernels.paged_prefill_attention
     torch.manual_seed(0)
     # Three sequences: a decode with 9 cached tokens, a fresh prefill of 7, a chunk of 5 after 6 cached.
     num_new, num_computed = [1, 7, 5], [9, 0, 6]
@@ -48,7 +48,9 @@ def test_mixed_step_matches_dense_attention(use_kernel, dtype):
     q = torch.randn(total, NUM_HEADS, HEAD_DIM, dtype=dtype)
     k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
     v = torch.randn_like(k)
-    meta = AttentionMetadata.build(num_new, num_computed, tables, BLOCK_SIZE, torch.device("cpu"), kernel)
+    meta = AttentionMetadata.build(
+        num_new, num_computed, tables, BLOCK_SIZE, torch.device("cpu"), decode_kernel, prefill_kernel
+    )
     out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     row = 0
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -92,3 +94,53 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, 
         ).squeeze(1)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out[i].float() - expected).abs().max().item() < tol, (n, dtype)
+
+
+# 48 takes the plain path; 32, 64 and 128 the tiled one (4 rows at a time, 2 for 128).
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_prefill_kernel_matches_dense_attention_around_its_blocks(head_dim, dtype):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("native kernels could not be built here")
+    torch.manual_seed(head_dim)
+    num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
+    # (new tokens, cached tokens): around the 16-row query blocks and 16-key tiles, after cached prefixes
+    # that end mid-tile and on a tile boundary, one longer than several blocks.
+    shapes = [(2, 0), (15, 0), (16, 5), (17, 16), (33, 31), (140, 100)]
+    lens = [n + c for n, c in shapes]
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, start = [], 0
+    for count in blocks_per_seq:
+        tables.append(perm[start : start + count])
+        start += count
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    query_lens = torch.tensor([n for n, _ in shapes])
+    query_starts = query_lens.cumsum(0) - query_lens
+    # q as the model passes it: a strided view of the fused qkv projection.
+    qkv = torch.randn(int(query_lens.sum()), (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim**-0.5
+    kernels.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_starts, query_lens, torch.tensor(lens), scale, out
+    )
+    for (n, c), table, row in zip(shapes, tables, query_starts.tolist()):
+        k_ctx = k_cache[table].flatten(0, 1)[: n + c]
+        v_ctx = v_cache[table].flatten(0, 1)[: n + c]
+        q_pos = torch.arange(c, c + n)
+        mask = torch.arange(n + c)[None, :] <= q_pos[:, None]
+        expected = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1).float(),
+            k_ctx.transpose(0, 1).float(),
+            v_ctx.transpose(0, 1).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (out[row : row + n].float() - expected).abs().max().item() < tol, (n, c, dtype)

@@ -15,7 +15,13 @@ logger = logging.getLogger(__name__)
 _DIRECTORY = os.path.dirname(__file__)
 _SOURCES = [
     os.path.join(_DIRECTORY, name)
-    for name in ("cpu_kernels.cpp", "decode_attention.cpp", "decode_stack.cpp", "quantized_linear.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "decode_stack.cpp",
+        "quantized_linear.cpp",
+    )
 ]
 _HEADER = os.path.join(_DIRECTORY, "common.h")
 

@@ -44,6 +44,33 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// 16 elements of the cache's dtype as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and a
+// degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sums it feeds).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // e^-87 is already below the smallest normal float
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   const __m512 a = _mm512_set1_ps(alpha);
   int64_t i = 0;
@@ -96,6 +123,10 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f, Schedule sched
 torch::Tensor paged_decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor context_lens, double scale);
+void paged_prefill_attention(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor query_starts, torch::Tensor query_lens, torch::Tensor context_lens, double scale,
+    torch::Tensor out);
 torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);

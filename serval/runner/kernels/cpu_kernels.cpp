@@ -166,6 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (one query token per sequence)", release());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prefilling sequences over the paged KV cache, written into out", release());
   m.def("quantized_linear", &quantized_linear, "x @ w.T with w in 4-bit or 8-bit blocks of 32", release());
   m.def("has_quantized_linear", &has_quantized_linear, "whether quantized_linear was compiled in");
   register_decode_stack(m);
