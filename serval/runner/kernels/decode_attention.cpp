@@ -16,6 +16,7 @@ struct Context {
   const int64_t* rows;  // per context token: its K/V row's element offset in the cache
   int64_t len;
   float scale;
+  bool prefetch;  // the first head of a kv head: its K/V rows are still in memory, not in cache
 };
 
 // The plain path: any head size, any ISA.
@@ -54,6 +55,19 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
+// Asks for the cache lines of K/V rows ahead of their use. A step's KV cache is far larger than the L3 (a
+// 64-sequence step reads ~300 MB), and its rows are scattered over blocks, so the hardware prefetchers stall
+// at every block boundary. 64 sequences of 200 tokens, 30 layers, 2 threads: 20.9 -> 16.1 ms (the same
+// data hot in the L3: 7.2 ms).
+template <typename T, int kChunks>
+inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
+  constexpr int64_t kRowBytes = 16 * kChunks * sizeof(T);
+  for (int64_t t = begin; t < end; ++t) {
+    const char* p = reinterpret_cast<const char*>(cache + rows[t]);
+    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
 template <typename T, int kChunks>  // head_dim = 16 * kChunks
 void attend_head(const float* q, const T* k_cache, const T* v_cache, const Context& c, float* scores, float* out) {
   __m512 qv[kChunks];
@@ -61,8 +75,14 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
   // Pass 1: scores[t] = q . k_t * scale, 16 tokens a tile, their horizontal sums done together.
   const __m512 scale = _mm512_set1_ps(c.scale);
   __m512 vmax = _mm512_set1_ps(-INFINITY);
+  constexpr int64_t kAhead = 16;  // tokens: one tile (measured against 32, 64, 96: the shortest was best)
+  if (c.prefetch) prefetch_rows<T, kChunks>(k_cache, c.rows, 0, std::min(c.len, kAhead));
   for (int64_t t0 = 0; t0 < c.len; t0 += 16) {
     const int64_t tile = std::min<int64_t>(16, c.len - t0);
+    if (c.prefetch) {  // the K rows a tile on, and this tile's V rows for pass 2
+      prefetch_rows<T, kChunks>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + 16));
+      prefetch_rows<T, kChunks>(v_cache, c.rows, t0, t0 + tile);
+    }
     __m512 partial[16];
     for (int64_t i = 0; i < 16; ++i) {
       if (i >= tile) { partial[i] = _mm512_setzero_ps(); continue; }
@@ -136,8 +156,8 @@ void decode_attention_impl(
         const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
         for (int64_t i = 0; i < block_size && t + i < len; ++i) rows[t + i] = offset + i * slot_stride;
       }
-      const Context context{rows.data(), len, static_cast<float>(scale)};
       for (int64_t g = 0; g < group; ++g) {
+        const Context context{rows.data(), len, static_cast<float>(scale), g == 0};
         const int64_t head = seq * num_heads + kv_head * group + g;
         load_row(q_ptr + head * head_dim, qf.data(), head_dim);
 #ifdef __AVX512F__
