@@ -26,7 +26,7 @@ class PackedWeight:
     out_features: int
     codes: torch.Tensor  # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8
     scales: torch.Tensor  # (N/16, K/32, 16) fp16
-    offsets: torch.Tensor  # (N/16, K/32, 16) fp32: 4-bit the mins; 8-bit zeros
+    offsets: torch.Tensor  # (N/16, K/32, 16) fp16: 4-bit the mins; 8-bit zeros (never read)
 
     def matmul(self, quantized_linear, x: torch.Tensor) -> torch.Tensor:  # x (M, K) -> (M, N), x's dtype
         """quantized_linear: the native kernel (kernels.quantized_linear)."""
@@ -92,7 +92,10 @@ def _exact_four_bit_symmetric(blocks: torch.Tensor):
     # the form d q + m with m = -8 d.
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
     scale = (largest / -8).half()
-    return _four_bit_codes(blocks, scale, -8 * scale.float())
+    low = -8 * scale.float()
+    if not (low.half().float() == low).all():  # the kernel keeps m in fp16
+        return None
+    return _four_bit_codes(blocks, scale, low)
 
 
 def _four_bit_codes(blocks: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
@@ -146,7 +149,7 @@ def _pack_four_bit(
         out_features=num_rows,
         codes=packed.contiguous(),
         scales=_grouped(scale, num_rows).contiguous(),
-        offsets=_grouped(low, num_rows).contiguous(),
+        offsets=_grouped(low.half(), num_rows).contiguous(),
     )
 
 
@@ -161,5 +164,5 @@ def _pack_eight_bit(codes: torch.Tensor, scale: torch.Tensor, num_rows: int) -> 
         out_features=num_rows,
         codes=packed.contiguous(),
         scales=scales,
-        offsets=torch.zeros(scales.shape, dtype=torch.float32),
+        offsets=torch.zeros(scales.shape, dtype=torch.float16),
     )

@@ -10,7 +10,7 @@
 //          8-bit: (N/16, K/32, 8, 64) int8: chunk c widens into the operands of pairs 2c and 2c+1;
 //          operand word 2r + e holds row r's weight 2p + e of pair p;
 //   scales (N/16, K/32, 16) fp16: d of each row's block;
-//   offsets (N/16, K/32, 16) fp32: 4-bit: the block's min m (w = d q + m); 8-bit: zero (w = d q).
+//   offsets (N/16, K/32, 16) fp16: 4-bit: the block's min m (w = d q + m); 8-bit: zero (w = d q), unread.
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions but flipped the greedy
@@ -71,7 +71,7 @@ inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
 // waits ~5 cycles per instruction: with a single chain a batch-1 decode ran at a quarter of the unit's rate,
 // far below memory speed.
 template <bool kFourBit, int R>
-void group_rows(const uint8_t* codes, const at::Half* scales, const float* offsets, const QuantizedRows& xq,
+void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
                 int64_t r0, int64_t K, float* out, int64_t out_stride) {
   const int64_t num_blocks = K / kBlock;
   constexpr int kChunks = kFourBit ? 4 : 8;
@@ -116,14 +116,15 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const float* offse
       const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xq.scales[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
       if constexpr (kFourBit) {  // + m sum(x_b)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b * kGroup), _mm512_set1_ps(xq.sums[i]), acc[r]);
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + b * kGroup)));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sums[i]), acc[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 
-using GroupRows = void (*)(const uint8_t*, const at::Half*, const float*, const QuantizedRows&, int64_t, int64_t,
+using GroupRows = void (*)(const uint8_t*, const at::Half*, const at::Half*, const QuantizedRows&, int64_t, int64_t,
                            float*, int64_t);
 
 template <bool kFourBit>
@@ -153,7 +154,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0), num_blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && codes.size(1) == num_blocks && codes.size(2) == (four_bit ? 4 : 8), "codes vs x");
   TORCH_CHECK(num_groups * kGroup >= N && num_groups * kGroup < N + kGroup, "N vs the packed groups");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kFloat, "fp16 scales, fp32 offsets");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "fp16 scales and offsets");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "packed tensors: contiguous");
   const auto xf = x.to(torch::kFloat).contiguous();
   const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
@@ -163,7 +164,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const auto* code_ptr = static_cast<const uint8_t*>(codes.data_ptr());
   const int64_t group_bytes = codes.stride(0);
   const at::Half* scale_ptr = scales.data_ptr<at::Half>();
-  const float* offset_ptr = offsets.data_ptr<float>();
+  const at::Half* offset_ptr = offsets.data_ptr<at::Half>();
   // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
   parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
     for (int64_t G = begin; G < end; ++G) {
