@@ -66,6 +66,8 @@ class AttentionMetadata:
         decode_kernel: Callable | None = None,
         prefill_kernel: Callable | None = None,
     ) -> AttentionMetadata:
+        if decode_kernel is not None and all(n == 1 for n in num_new_tokens):
+            return cls._build_decode_only(num_computed_tokens, block_tables, block_size, device, decode_kernel)
         num_seqs = len(num_new_tokens)
         max_blocks = max(len(t) for t in block_tables)
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)  # (num_seqs, max_blocks), padded with 0
@@ -121,6 +123,37 @@ class AttentionMetadata:
             is_decode_only=not prefills and native_prefills is None and decode_kernel is not None,
             prefill_kernel=prefill_kernel,
             native_prefills=native_prefills,
+        )
+
+
+    @classmethod
+    def _build_decode_only(
+        cls,
+        num_computed_tokens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+        decode_kernel: Callable,
+    ) -> AttentionMetadata:
+        # The common step, built from lists in O(batch) without the general path's (num_seqs, max_context)
+        # position tensors: it is per-token host work of every decode.
+        max_blocks = max(len(t) for t in block_tables)
+        slot_mapping = [
+            table[position // block_size] * block_size + position % block_size
+            for table, position in zip(block_tables, num_computed_tokens)
+        ]
+        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            decode_rows=torch.arange(len(block_tables), device=device),
+            decode_slots=None,
+            decode_mask=None,
+            prefills=[],
+            decode_kernel=decode_kernel,
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            decode_context_lens=torch.tensor(num_computed_tokens, dtype=torch.long, device=device) + 1,
+            block_size=block_size,
+            is_decode_only=True,
         )
 
 

@@ -28,9 +28,15 @@ def _dense_reference(q, k_ctx, v_ctx, num_computed):
     return out.transpose(0, 1)
 
 
+# Three sequences: a decode with 9 cached tokens, a fresh prefill of 7, a chunk of 5 after 6 cached; and a
+# decode-only step (its own metadata path) with contexts ending mid-block and on a block boundary.
+STEPS = {"mixed": ([1, 7, 5], [9, 0, 6]), "decode_only": ([1, 1, 1], [9, 3, 7])}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_matches_dense_attention(use_kernel, dtype):
+def test_step_matches_dense_attention(step, use_kernel, dtype):
     decode_kernel = prefill_kernel = None
     if use_kernel:
         kernels = load_cpu_kernels()
@@ -38,8 +44,7 @@ def test_mixed_step_matches_dense_attention(use_kernel, dtype):
             pytest.skip("native kernels could not be built here")
         decode_kernel, prefill_kernel = kernels.paged_decode_attention, kernels.paged_prefill_attention
     torch.manual_seed(0)
-    # Three sequences: a decode with 9 cached tokens, a fresh prefill of 7, a chunk of 5 after 6 cached.
-    num_new, num_computed = [1, 7, 5], [9, 0, 6]
+    num_new, num_computed = STEPS[step]
     perm = torch.randperm(NUM_BLOCKS).tolist()
     tables = [perm[0:3], perm[3:5], perm[5:8]]
     k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
