@@ -67,7 +67,9 @@ class AttentionMetadata:
         prefill_kernel: Callable | None = None,
     ) -> AttentionMetadata:
         if decode_kernel is not None and all(n == 1 for n in num_new_tokens):
-            return cls._build_decode_only(num_computed_tokens, block_tables, block_size, device, decode_kernel)
+            return cls._build_decode_only(
+                num_computed_tokens, block_tables, block_size, device, decode_kernel
+            )
         num_seqs = len(num_new_tokens)
         max_blocks = max(len(t) for t in block_tables)
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)  # (num_seqs, max_blocks), padded with 0
@@ -124,7 +126,6 @@ class AttentionMetadata:
             prefill_kernel=prefill_kernel,
             native_prefills=native_prefills,
         )
-
 
     @classmethod
     def _build_decode_only(
