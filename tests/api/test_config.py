@@ -115,9 +115,9 @@ def test_defaults_without_a_file(monkeypatch):
         "127.0.0.1", 8000, (), ("SmolLM2",),
     )  # fmt: skip
     assert engine_config(options).scheduler.max_queue_len == 1024
-    assert engine_config(options).model.single_sequence_threads == 1  # the server leaves a core to HTTP
-    flagged = merged_options(build_parser().parse_args(["serve", "--single-sequence-threads", "0"]))
-    assert engine_config(flagged).model.single_sequence_threads == 0
+    assert engine_config(options).model.single_sequence_threads == 0  # all threads
+    flagged = merged_options(build_parser().parse_args(["serve", "--single-sequence-threads", "1"]))
+    assert engine_config(flagged).model.single_sequence_threads == 1
     monkeypatch.setenv("SERVAL_API_KEY", "x,y")
     assert server_config(merged_options(build_parser().parse_args(["serve"])), "m").api_keys == ("x", "y")
 
