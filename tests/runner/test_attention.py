@@ -68,6 +68,18 @@ def test_step_matches_dense_attention(step, use_kernel, dtype):
         row += n
 
 
+def _scattered_block_tables(lens: list[int], block_size: int, num_blocks: int):
+    """Each sequence's blocks, drawn without repeats from a shuffled pool: (lists, padded int64 tensor)."""
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, start = [], 0
+    for count in blocks_per_seq:
+        tables.append(perm[start : start + count])
+        start += count
+    max_blocks = max(blocks_per_seq)
+    return tables, torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the register-tiled path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, dtype):
@@ -78,14 +90,7 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, 
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
     # Context lengths around the kernel's 16-token tiles, and one longer than a few blocks.
     lens = [1, 15, 16, 17, 33, 300]
-    blocks_per_seq = [-(-n // block_size) for n in lens]
-    perm = torch.randperm(num_blocks).tolist()
-    tables, start = [], 0
-    for count in blocks_per_seq:
-        tables.append(perm[start : start + count])
-        start += count
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    tables, block_tables = _scattered_block_tables(lens, block_size, num_blocks)
     k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
@@ -114,14 +119,7 @@ def test_prefill_kernel_matches_dense_attention_around_its_blocks(head_dim, dtyp
     # that end mid-tile and on a tile boundary, one longer than several blocks.
     shapes = [(2, 0), (15, 0), (16, 5), (17, 16), (33, 31), (140, 100)]
     lens = [n + c for n, c in shapes]
-    blocks_per_seq = [-(-n // block_size) for n in lens]
-    perm = torch.randperm(num_blocks).tolist()
-    tables, start = [], 0
-    for count in blocks_per_seq:
-        tables.append(perm[start : start + count])
-        start += count
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    tables, block_tables = _scattered_block_tables(lens, block_size, num_blocks)
     k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
     v_cache = torch.randn_like(k_cache)
     query_lens = torch.tensor([n for n, _ in shapes])
