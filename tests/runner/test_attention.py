@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from serval.runner.attention import AttentionMetadata, paged_attention
-from serval.runner.kernels import load_cpu_kernels
+from tests.fixtures.kernels import require_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
 
@@ -39,9 +39,7 @@ STEPS = {"mixed": ([1, 7, 5], [9, 0, 6]), "decode_only": ([1, 1, 1], [9, 3, 7])}
 def test_step_matches_dense_attention(step, use_kernel, dtype):
     decode_kernel = prefill_kernel = None
     if use_kernel:
-        kernels = load_cpu_kernels()
-        if kernels is None:
-            pytest.skip("native kernels could not be built here")
+        kernels = require_kernels()
         decode_kernel, prefill_kernel = kernels.paged_decode_attention, kernels.paged_prefill_attention
     torch.manual_seed(0)
     num_new, num_computed = STEPS[step]
@@ -83,9 +81,7 @@ def _scattered_block_tables(lens: list[int], block_size: int, num_blocks: int):
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the register-tiled path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, dtype):
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("native kernels could not be built here")
+    kernels = require_kernels()
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
     # Context lengths around the kernel's 16-token tiles, and one longer than a few blocks.
@@ -110,9 +106,7 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, 
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_prefill_kernel_matches_dense_attention_around_its_blocks(head_dim, dtype):
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("native kernels could not be built here")
+    kernels = require_kernels()
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
     # (new tokens, cached tokens): around the 16-row query blocks and 16-key tiles, after cached prefixes

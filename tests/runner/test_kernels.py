@@ -10,6 +10,7 @@ from serval.engine.engine import Engine
 from serval.runner.batch import Batch
 from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import GatedMLP, RMSNorm, use_native_kernels
+from tests.fixtures.kernels import require_kernels
 
 
 def test_kernels_build_wherever_there_is_a_compiler():
@@ -24,10 +25,9 @@ def test_kernels_build_wherever_there_is_a_compiler():
 
 @pytest.fixture(scope="module")
 def kernels():
-    built = load_cpu_kernels()
-    if built is None or not built.has_bf16_linear():
-        pytest.skip("the bf16 small-batch kernel needs AVX512-BF16 and a C++ compiler")
-    return built
+    return require_kernels(
+        "has_bf16_linear", "the bf16 small-batch kernel needs AVX512-BF16 and a C++ compiler"
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

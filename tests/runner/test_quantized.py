@@ -11,19 +11,18 @@ from gguf import GGMLQuantizationType
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.batch import Batch
-from serval.runner.kernels import load_cpu_kernels
 from serval.runner.quantization import BLOCK, find_packed
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+from tests.fixtures.kernels import require_kernels
 
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    built = load_cpu_kernels()
-    if built is None or not built.has_quantized_linear():
-        pytest.skip("the quantized kernel needs AVX512-VNNI and a C++ compiler")
-    return built
+    return require_kernels(
+        "has_quantized_linear", "the quantized kernel needs AVX512-VNNI and a C++ compiler"
+    )
 
 
 def _gguf_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
