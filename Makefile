@@ -23,10 +23,10 @@ serve: $(STAMP)
 	$(VENV)/bin/serval serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/offline.py

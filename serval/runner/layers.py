@@ -119,15 +119,16 @@ class Linear(nn.Linear):
     """
 
     MAX_KERNEL_ROWS = 8
-    # Past 8 rows oneDNN's bf16 matmul beats the quantized kernel's int16 dot products (docs/benchmarks.md).
-    MAX_QUANTIZED_ROWS = 8
     small_batch_kernel = None
     quantized_kernel = None  # kernels.quantized_linear, set only when `packed` is
+    max_quantized_rows = 0  # the packed path's row limit (kernels.packed_rows_limit), set with it
     packed: PackedWeight | None = None
     lora_target: LoraTarget | None = None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        y = small_batch_linear(x, self.weight, self.small_batch_kernel, self.packed, self.quantized_kernel)
+        y = small_batch_linear(
+            x, self.weight, self.small_batch_kernel, self.packed, self.quantized_kernel, self.max_quantized_rows
+        )
         if y is None:
             y = F.linear(x, self.weight, self.bias)
         elif self.bias is not None:
@@ -138,12 +139,18 @@ class Linear(nn.Linear):
 
 
 def small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, kernel, packed: PackedWeight | None = None, quantized_kernel=None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    kernel,
+    packed: PackedWeight | None = None,
+    quantized_kernel=None,
+    max_quantized_rows: int = 0,
 ) -> torch.Tensor | None:
-    """x @ weight.T through a native kernel when x has few enough rows for one; None: use PyTorch's."""
+    """x @ weight.T through a native kernel when x has few enough rows for one (the packed kernel: up to
+    max_quantized_rows); None: use PyTorch's."""
     if x.dim() != 2:
         return None
-    if quantized_kernel is not None and packed is not None and x.shape[0] <= Linear.MAX_QUANTIZED_ROWS:
+    if quantized_kernel is not None and packed is not None and x.shape[0] <= max_quantized_rows:
         return packed.matmul(quantized_kernel, x)
     if kernel is not None and x.shape[0] <= Linear.MAX_KERNEL_ROWS:
         return kernel(x, weight)
@@ -156,15 +163,16 @@ def use_native_kernels(model: nn.Module, kernels) -> None:
     The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
     and SwiGLU take bf16 or fp32.
     """
+    from serval.runner.kernels import packed_rows_limit
+
     for module in model.modules():
         if isinstance(module, Linear):
-            usable = kernels is not None and kernels.has_bf16_linear() and module.in_features % 32 == 0
+            usable = kernels is not None and module.in_features % 32 == 0
             is_bf16 = module.weight.dtype == torch.bfloat16
             module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
-            has_quantized = (
-                kernels is not None and kernels.has_quantized_linear() and module.packed is not None
-            )
+            has_quantized = kernels is not None and module.packed is not None
             module.quantized_kernel = kernels.quantized_linear if has_quantized else None
+            module.max_quantized_rows = packed_rows_limit(kernels) if has_quantized else 0
         elif isinstance(module, RMSNorm):
             module.native_kernel = None if kernels is None else kernels.rms_norm
         elif isinstance(module, GatedMLP):

@@ -15,7 +15,7 @@ from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
-from serval.runner.kernels import load_cpu_kernels
+from serval.runner.kernels import load_cpu_kernels, packed_rows_limit
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
@@ -33,6 +33,22 @@ class RunnerInfo:
     dtype: str
     device: str
     max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
+    architecture: str = ""  # e.g. "LlamaForCausalLM"
+    weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
+    kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
+    num_threads: int = 1
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """The one start-up line that says what is being served and how."""
+        return (
+            f"{self.architecture}, weights {self.weight_format}, compute dtype {self.dtype} on {self.device},"
+            f" CPU kernels {self.kernel_variant}, {self.num_threads} threads, KV cache {self.kv_cache_tokens}"
+            f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
+        )
 
 
 def cpu_has_native_bf16() -> bool:
@@ -50,11 +66,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, keeps_packed_weights: bool = False) -> torch.dtype:
+    """keeps_packed_weights: the native kernels will run the checkpoint's 4/8-bit matrices from their packed
+    form, which the runner keeps on the bf16 path only."""
     if name == "auto":
         if device.type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
-        return torch.float32
+        # Without native bf16 dot products PyTorch's bf16 matmuls are slow, so fp32 is the default, except
+        # for a quantized checkpoint: its matrices stay packed (the kernels compute in fp32 from them), not
+        # widened to an fp32 copy 7x the file's size.
+        return torch.bfloat16 if keeps_packed_weights else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -67,18 +88,26 @@ class ModelRunner:
         lora_config: LoraConfig | None = None,
     ):
         self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
-        self.arch, weights = open_checkpoint(source)
+        checkpoint = open_checkpoint(source)
+        self.arch = checkpoint.arch
+        self.weight_formats = checkpoint.weight_formats
+        kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        self.kernel_variant = "none" if kernels is None else kernels.variant
+        self.dtype = resolve_dtype(
+            model_config.dtype, self.device, kernels is not None and checkpoint.has_packable_weights
+        )
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         # The quantized kernels serve the bf16 path only: an fp32 model is asked for to stay exact.
-        use_quantized = (
-            kernels is not None and kernels.has_quantized_linear() and self.dtype == torch.bfloat16
-        )
+        use_quantized = kernels is not None and self.dtype == torch.bfloat16
         self.model = load_model(
-            self.arch, weights, self.dtype, self.device, self.max_model_len, pack_low_bit=use_quantized
+            self.arch,
+            checkpoint.read_weights,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            pack_low_bit=use_quantized,
         )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
@@ -90,10 +119,11 @@ class ModelRunner:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
             use_native_kernels(self.model, kernels)
-            if self.dtype == torch.bfloat16 and kernels.has_bf16_linear():
+            if self.dtype == torch.bfloat16:
                 self.model.tied_head_kernel = kernels.bf16_linear_small_batch
             if getattr(self.model, "packed_tied_head", None) is not None:
                 self.model.tied_head_quantized_kernel = kernels.quantized_linear
+                self.model.tied_head_max_quantized_rows = packed_rows_limit(kernels)
             self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
@@ -114,6 +144,10 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             max_loras=0 if self.lora_slots is None else self.lora_slots.max_loras,
+            architecture=self.arch.architecture,
+            weight_format="+".join(self.weight_formats),
+            kernel_variant=self.kernel_variant,
+            num_threads=self.num_threads,
         )
 
     # ---- LoRA adapters (runner/lora.py)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from serval.runner.attention import AttentionMetadata, paged_attention
-from tests.fixtures.kernels import require_kernels
+from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
 
@@ -34,12 +34,12 @@ STEPS = {"mixed": ([1, 7, 5], [9, 0, 6]), "decode_only": ([1, 1, 1], [9, 3, 7])}
 
 
 @pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("variant", [None, *VARIANT_NAMES])  # None: the PyTorch path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_matches_dense_attention(step, use_kernel, dtype):
+def test_step_matches_dense_attention(step, variant, dtype):
     decode_kernel = prefill_kernel = None
-    if use_kernel:
-        kernels = require_kernels()
+    if variant is not None:
+        kernels = require_kernels(variant)
         decode_kernel, prefill_kernel = kernels.paged_decode_attention, kernels.paged_prefill_attention
     torch.manual_seed(0)
     num_new, num_computed = STEPS[step]
@@ -80,12 +80,12 @@ def _scattered_block_tables(lens: list[int], block_size: int, num_blocks: int):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the register-tiled path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, dtype):
-    kernels = require_kernels()
+def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(kernels, head_dim, dtype):
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
-    # Context lengths around the kernel's 16-token tiles, and one longer than a few blocks.
-    lens = [1, 15, 16, 17, 33, 300]
+    # Context lengths around the kernel's tiles (8 tokens on AVX2, 16 on AVX-512), and one longer than a few
+    # blocks.
+    lens = [1, 7, 8, 9, 15, 16, 17, 33, 300]
     tables, block_tables = _scattered_block_tables(lens, block_size, num_blocks)
     k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)
     v_cache = torch.randn_like(k_cache)
@@ -102,16 +102,15 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(head_dim, 
         assert (out[i].float() - expected).abs().max().item() < tol, (n, dtype)
 
 
-# 48 takes the plain path; 32, 64 and 128 the tiled one (4 rows at a time, 2 for 128).
+# 48 takes the plain path; 32, 64 and 128 the tiled one (4 rows at a time, fewer for wider heads).
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_prefill_kernel_matches_dense_attention_around_its_blocks(head_dim, dtype):
-    kernels = require_kernels()
+def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_dim, dtype):
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
-    # (new tokens, cached tokens): around the 16-row query blocks and 16-key tiles, after cached prefixes
-    # that end mid-tile and on a tile boundary, one longer than several blocks.
-    shapes = [(2, 0), (15, 0), (16, 5), (17, 16), (33, 31), (140, 100)]
+    # (new tokens, cached tokens): around the 16-row query blocks and the 8- or 16-key tiles, after cached
+    # prefixes that end mid-tile and on a tile boundary, one longer than several blocks.
+    shapes = [(2, 0), (7, 1), (15, 0), (16, 5), (17, 16), (33, 31), (140, 100)]
     lens = [n + c for n, c in shapes]
     tables, block_tables = _scattered_block_tables(lens, block_size, num_blocks)
     k_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) * 3).to(dtype)

@@ -1,7 +1,16 @@
-"""Native CPU kernels, compiled on first use with the machine's C++ compiler and cached.
+"""Native CPU kernels: one build per instruction-set variant, the best one this CPU runs chosen at load.
 
-`load_cpu_kernels()` returns the compiled module, or None when it can't be built (no compiler, no ninja):
-callers then take the plain-PyTorch path, which computes the same thing more slowly.
+The same sources are compiled with each variant's explicit target flags (never `-march=native`), into a
+module named after the variant, so a build cache or image made on one CPU can never hand another CPU
+instructions it lacks:
+
+- `avx512`: AVX-512 F/BW/VL/DQ with VNNI and BF16 (Zen 4, Sapphire Rapids and later);
+- `avx2`: AVX2, FMA and F16C (Haswell and Zen 1 on; also AVX-512 CPUs without VNNI/BF16);
+- `portable`: the compiler's baseline for the target (SSE2 on x86-64, NEON on aarch64).
+
+`load_cpu_kernels()` returns the compiled module of the best variant (its `variant` attribute names it), or
+None when nothing can be built (no compiler, no ninja): callers then take the plain-PyTorch path, which
+computes the same thing more slowly.
 """
 
 from __future__ import annotations
@@ -9,11 +18,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
+import time
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 _DIRECTORY = os.path.dirname(__file__)
-_SOURCES = [
+SOURCES = tuple(
     os.path.join(_DIRECTORY, name)
     for name in (
         "cpu_kernels.cpp",
@@ -21,40 +33,141 @@ _SOURCES = [
         "prefill_attention.cpp",
         "decode_stack.cpp",
         "quantized_linear.cpp",
+        "quantized_tiles.cpp",
     )
-]
-_HEADER = os.path.join(_DIRECTORY, "common.h")
+)
+_HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h"))
+BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 
 
-def _header_digest() -> str:
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    cpu_flags: tuple[str, ...]  # as /proc/cpuinfo spells them; all needed to run the build
+    compiler_flags: tuple[str, ...]
+
+
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+VARIANTS = (  # best first
+    Variant(
+        "avx512",
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+        (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"),
+    ),
+    Variant("avx2", ("avx2", "fma", "f16c"), _AVX2_FLAGS),
+    Variant("portable", (), ()),
+)
+_X86_ONLY = frozenset({"avx512", "avx2"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is not readable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runnable_variants(flags: frozenset[str] | None = None) -> list[Variant]:
+    """The variants this CPU can execute, best first (`portable` always)."""
+    flags = cpu_flags() if flags is None else flags
+    return [
+        v
+        for v in VARIANTS
+        if (v.name not in _X86_ONLY or is_x86()) and all(flag in flags for flag in v.cpu_flags)
+    ]
+
+
+def variant_named(name: str) -> Variant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
+
+
+def _sources_digest() -> str:
     # torch hashes the sources and the flags to decide whether its cached build is current, not the headers
-    # they include: the header's digest goes into the flags so an edit to it rebuilds.
-    with open(_HEADER, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
+    # they include: the headers' digest goes into the flags so an edit to one rebuilds.
+    digest = hashlib.sha256()
+    for path in _HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
-def load_cpu_kernels():
+def compile_flags(variant: Variant) -> list[str]:
+    return [
+        *BASE_CFLAGS,
+        *variant.compiler_flags,
+        f"-DSERVAL_VARIANT={variant.name}",
+        f"-DSERVAL_HEADERS={_sources_digest()}",
+    ]
+
+
+def packed_rows_limit(kernels) -> int:
+    """Up to how many rows of x a matmul with packed 4/8-bit weights runs in the quantized kernel.
+
+    With AVX512-BF16 oneDNN's bf16 matmul beats it past 8 rows (docs/benchmarks.md), so larger batches use
+    the model's bf16 weights there; elsewhere PyTorch's bf16 matmul is slow (no native bf16 dot products) and
+    the kernel's dequantized-tile path serves every row count.
+    """
+    if kernels is None:
+        return 0
+    return 8 if kernels.variant == "avx512" else 2**62
+
+
+def _build_directory_exists(name: str) -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+
+
+def load_cpu_kernels(variant: str | None = None):
+    """The compiled kernels of `variant` (default: the best this CPU runs; SERVAL_KERNEL_VARIANT overrides),
+    or None when they can't be built. Asking for a variant this CPU cannot execute is a ValueError."""
     if os.environ.get("SERVAL_DISABLE_NATIVE_KERNELS") == "1":
         return None
+    runnable = runnable_variants()
+    name = variant or os.environ.get("SERVAL_KERNEL_VARIANT") or runnable[0].name
+    chosen = variant_named(name)
+    if chosen not in runnable:
+        raise ValueError(
+            f"kernel variant {name!r} needs CPU features {', '.join(chosen.cpu_flags)}, which this CPU lacks;"
+            f" it can run: {', '.join(v.name for v in runnable)}"
+        )
+    module_name = f"serval_cpu_kernels_{chosen.name}"
     try:
         from torch.utils.cpp_extension import load
 
-        # NOTE: torch caches the build by source hash under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions),
-        # so only the first start on a machine pays the ~1 min compile.
-        return load(
-            name="serval_cpu_kernels",
-            sources=_SOURCES,
+        first_build = not _build_directory_exists(module_name)
+        if first_build:
+            logger.info(
+                "compiling the native CPU kernels (%s variant) once for this machine; this usually takes 1-3"
+                " minutes, and later starts reuse the build",
+                chosen.name,
+            )
+        start = time.perf_counter()
+        # NOTE: torch caches the build by source hash and flags under TORCH_EXTENSIONS_DIR
+        # (~/.cache/torch_extensions), one directory per variant's module name.
+        module = load(
+            name=module_name,
+            sources=list(SOURCES),
             extra_include_paths=[_DIRECTORY],
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-ffast-math",
-                "-fopenmp",
-                f"-DSERVAL_HEADER={_header_digest()}",
-            ],
+            extra_cflags=compile_flags(chosen),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        if first_build:
+            logger.info("native CPU kernels compiled in %.0f s", time.perf_counter() - start)
+        return module
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
-        logger.warning("native CPU kernels unavailable (%s); using the PyTorch attention path", e)
+        logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", e)
         return None

@@ -4,10 +4,47 @@
 
 using namespace serval_kernels;
 
-// y = x @ w.T for a few rows of x (decode), bf16 weights streamed once with AVX512-BF16 dot products.
-// oneDNN's bf16 GEMM is tuned for many rows; with one to eight it reads weights far below memory bandwidth.
-torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
+// y = x @ w.T for a few rows of x (decode), bf16 weights streamed once. oneDNN's bf16 GEMM is tuned for many
+// rows; with one to eight it reads weights far below memory bandwidth. With AVX512-BF16 the products are
+// VDPBF16PS dot products; elsewhere the bf16 values are widened to fp32 in registers (a shift) and FMA'd.
+namespace {
+
+template <int R>  // rows of x
+void bf16_rows(const uint16_t* w_row, const uint16_t* x, int64_t K, at::BFloat16* out, int64_t out_stride) {
 #if defined(__AVX512BF16__)
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w_row + k);
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  }
+  for (int m = 0; m < R; ++m) out[m * out_stride] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+#else
+  using simd::Vec;
+  const auto* wp = reinterpret_cast<const at::BFloat16*>(w_row);
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(x);
+  Vec acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = simd::zero();
+  for (int64_t k = 0; k < K; k += simd::kWidth) {
+    const Vec wv = simd::load(wp + k);
+    for (int m = 0; m < R; ++m) acc[m] = simd::fmadd(wv, simd::load(xp + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < R; ++m) out[m * out_stride] = static_cast<at::BFloat16>(simd::reduce_add(acc[m]));
+#endif
+}
+
+using Bf16Rows = void (*)(const uint16_t*, const uint16_t*, int64_t, at::BFloat16*, int64_t);
+
+template <int... Rows>
+Bf16Rows bf16_rows_for(int64_t rows, std::integer_sequence<int, Rows...>) {
+  Bf16Rows run = nullptr;
+  ((rows == Rows + 1 ? (run = bf16_rows<Rows + 1>, 0) : 0), ...);
+  return run;
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes must be (M, K) and (N, K)");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -20,30 +57,15 @@ torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
   auto* op = out.data_ptr<at::BFloat16>();
   parallel_chunks(N, std::max<int64_t>(16, N / 32), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const uint16_t* wrow = wp + n * K;
-      // Rows of x in groups of 8 (8 accumulators stay in registers); the weight row stays in L1 across
+      // Rows of x in groups of 8 (their accumulators stay in registers); the weight row stays in L1 across
       // groups, so weights are read from memory once whatever M is.
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t rows = std::min<int64_t>(8, M - m0);
-        __m512 acc[8];
-        for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wrow + k);
-          for (int64_t m = 0; m < rows; ++m) {
-            acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(xp + (m0 + m) * K + k));
-          }
-        }
-        for (int64_t m = 0; m < rows; ++m) {
-          op[(m0 + m) * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
-        }
+        bf16_rows_for(rows, std::make_integer_sequence<int, 8>())(wp + n * K, xp + m0 * K, K, op + m0 * N + n, N);
       }
     }
   });
   return out;
-#else
-  TORCH_CHECK(false, "built without AVX512-BF16");
-  return x;
-#endif
 }
 
 // RMSNorm over the last dimension, computed in fp32 whatever comes in; the result has the weight's dtype.
@@ -148,19 +170,15 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   }
 }
 
-bool has_bf16_linear() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+#define SERVAL_STRINGIFY_(x) #x
+#define SERVAL_STRINGIFY(x) SERVAL_STRINGIFY_(x)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL while it runs: the engine thread computes while the event loop serves.
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16", release());
-  m.def("has_bf16_linear", &has_bf16_linear, "whether bf16_linear_small_batch was compiled in");
+  // Which instruction-set variant this build is (kernels/__init__.py compiles one module per variant).
+  m.attr("variant") = SERVAL_STRINGIFY(SERVAL_VARIANT);
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
@@ -169,6 +187,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefilling sequences over the paged KV cache, written into out", release());
   m.def("quantized_linear", &quantized_linear, "x @ w.T with w in 4-bit or 8-bit blocks of 32", release());
-  m.def("has_quantized_linear", &has_quantized_linear, "whether quantized_linear was compiled in");
   register_decode_stack(m);
 }

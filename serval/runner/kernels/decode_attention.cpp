@@ -4,8 +4,9 @@
 // for each of the G query heads that share the kv head (GQA); a head's K and V rows stay in L1/L2 for the
 // next head. Two passes per head (scores, then softmax-weighted V): exact softmax, not an online one.
 //
-// For head sizes of 64 and 128 the head's query, its 16-token tiles of partial q.k sums and its output
-// accumulators live in registers; other sizes take the plain loop.
+// For head sizes of 64 and 128 the head's query, its tiles of partial q.k sums (one token per vector lane:
+// 16 on AVX-512, 8 on AVX2 and the portable variant) and its output accumulators live in vector registers;
+// other sizes take the plain loop.
 #include "common.h"
 
 using namespace serval_kernels;
@@ -38,88 +39,71 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
   }
 }
 
-#ifdef __AVX512F__
-// Lane i of the result is the sum of the 16 lanes of v[i]: 16 horizontal sums in 45 shuffles and adds
-// instead of 16 separate reductions.
-inline __m512 reduce16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit chunk: the chunk's sum of each of 4 vectors
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-
 // Asks for the cache lines of K/V rows ahead of their use. A step's KV cache is far larger than the L3 (a
 // 64-sequence step reads ~300 MB), and its rows are scattered over blocks, so the hardware prefetchers stall
-// at every block boundary. 64 sequences of 200 tokens, 30 layers, 2 threads: 20.9 -> 16.1 ms (the same
-// data hot in the L3: 7.2 ms).
-template <typename T, int kChunks>
+// at every block boundary. 64 sequences of 200 tokens, 30 layers, 2 threads (AVX-512): 20.9 -> 16.1 ms (the
+// same data hot in the L3: 7.2 ms).
+template <typename T, int D>
 inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  constexpr int64_t kRowBytes = 16 * kChunks * sizeof(T);
+  constexpr int64_t kRowBytes = D * sizeof(T);
   for (int64_t t = begin; t < end; ++t) {
     const char* p = reinterpret_cast<const char*>(cache + rows[t]);
-    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < kRowBytes; b += 64) simd::prefetch(p + b);
   }
 }
 
-template <typename T, int kChunks>  // head_dim = 16 * kChunks
+template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
 void attend_head(const float* q, const T* k_cache, const T* v_cache, const Context& c, float* scores, float* out) {
-  __m512 qv[kChunks];
-  for (int i = 0; i < kChunks; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  // Pass 1: scores[t] = q . k_t * scale, 16 tokens a tile, their horizontal sums done together.
-  const __m512 scale = _mm512_set1_ps(c.scale);
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  constexpr int64_t kAhead = 16;  // tokens: one tile (measured against 32, 64, 96: the shortest was best)
-  if (c.prefetch) prefetch_rows<T, kChunks>(k_cache, c.rows, 0, std::min(c.len, kAhead));
-  for (int64_t t0 = 0; t0 < c.len; t0 += 16) {
-    const int64_t tile = std::min<int64_t>(16, c.len - t0);
+  using simd::Vec;
+  constexpr int W = simd::kWidth, C = D / W;
+  Vec qv[C];
+  for (int i = 0; i < C; ++i) qv[i] = simd::load(q + W * i);
+  // Pass 1: scores[t] = q . k_t * scale, W tokens a tile, their horizontal sums done together.
+  const Vec scale = simd::set1(c.scale);
+  Vec vmax = simd::set1(-INFINITY);
+  constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
+  if (c.prefetch) prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead));
+  for (int64_t t0 = 0; t0 < c.len; t0 += W) {
+    const int64_t tile = std::min<int64_t>(W, c.len - t0);
     if (c.prefetch) {  // the K rows a tile on, and this tile's V rows for pass 2
-      prefetch_rows<T, kChunks>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + 16));
-      prefetch_rows<T, kChunks>(v_cache, c.rows, t0, t0 + tile);
+      prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
+      prefetch_rows<T, D>(v_cache, c.rows, t0, t0 + tile);
     }
-    __m512 partial[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      if (i >= tile) { partial[i] = _mm512_setzero_ps(); continue; }
+    Vec partial[W];
+    for (int64_t i = 0; i < W; ++i) {
+      if (i >= tile) { partial[i] = simd::zero(); continue; }
       const T* k = k_cache + c.rows[t0 + i];
-      __m512 a = _mm512_mul_ps(qv[0], load16(k)), b = _mm512_mul_ps(qv[1], load16(k + 16));
-      for (int j = 2; j < kChunks; j += 2) {
-        a = _mm512_fmadd_ps(qv[j], load16(k + 16 * j), a);
-        b = _mm512_fmadd_ps(qv[j + 1], load16(k + 16 * (j + 1)), b);
+      Vec a = simd::mul(qv[0], simd::load(k)), b = simd::mul(qv[1], simd::load(k + W));
+      for (int j = 2; j < C; j += 2) {
+        a = simd::fmadd(qv[j], simd::load(k + W * j), a);
+        b = simd::fmadd(qv[j + 1], simd::load(k + W * (j + 1)), b);
       }
-      partial[i] = _mm512_add_ps(a, b);
+      partial[i] = simd::add(a, b);
     }
-    const __mmask16 mask = static_cast<__mmask16>((1u << tile) - 1);
-    const __m512 s = _mm512_mul_ps(reduce16(partial), scale);
-    vmax = _mm512_mask_max_ps(vmax, mask, vmax, s);
-    _mm512_mask_storeu_ps(scores + t0, mask, s);
+    // scores has room for whole tiles: the lanes past the context are written but never read.
+    const Vec s = simd::mul(simd::sum_each(partial), scale);
+    vmax = simd::max(vmax, simd::first_lanes(tile, s, simd::set1(-INFINITY)));
+    simd::store(scores + t0, s);
   }
-  // Softmax numerators; the division by their sum is folded into the output.
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < c.len; t += 16) {
-    const __mmask16 mask = c.len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (c.len - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), m)));
-    _mm512_mask_storeu_ps(scores + t, mask, e);
-    vsum = _mm512_add_ps(vsum, e);
+  // Softmax numerators (zero past the context); the division by their sum is folded into the output.
+  const Vec m = simd::set1(simd::reduce_max(vmax));
+  Vec vsum = simd::zero();
+  for (int64_t t = 0; t < c.len; t += W) {
+    const Vec e = simd::first_lanes(c.len - t, simd::exp_nonpositive(simd::sub(simd::load(scores + t), m)), simd::zero());
+    simd::store(scores + t, e);
+    vsum = simd::add(vsum, e);
   }
   // Pass 2: out = sum_t p_t v_t / sum_t p_t
-  __m512 acc[kChunks];
-  for (int i = 0; i < kChunks; ++i) acc[i] = _mm512_setzero_ps();
+  Vec acc[C];
+  for (int i = 0; i < C; ++i) acc[i] = simd::zero();
   for (int64_t t = 0; t < c.len; ++t) {
-    const __m512 p = _mm512_set1_ps(scores[t]);
+    const Vec p = simd::set1(scores[t]);
     const T* v = v_cache + c.rows[t];
-    for (int i = 0; i < kChunks; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + 16 * i), acc[i]);
+    for (int i = 0; i < C; ++i) acc[i] = simd::fmadd(p, simd::load(v + W * i), acc[i]);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-  for (int i = 0; i < kChunks; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
+  const Vec inv = simd::set1(1.0f / simd::reduce_add(vsum));
+  for (int i = 0; i < C; ++i) simd::store(out + W * i, simd::mul(acc[i], inv));
 }
-#endif
 
 template <typename T>
 void decode_attention_impl(
@@ -149,7 +133,7 @@ void decode_attention_impl(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = lens[seq];
-      scores.resize(len);
+      scores.resize(len + simd::kWidth);  // whole tiles
       // Each token's row offset, found once per task (a division per token costs more than its math).
       rows.resize(len);
       for (int64_t t = 0, b = 0; t < len; t += block_size, ++b) {
@@ -160,12 +144,9 @@ void decode_attention_impl(
         const Context context{rows.data(), len, static_cast<float>(scale), g == 0};
         const int64_t head = seq * num_heads + kv_head * group + g;
         load_row(q_ptr + head * head_dim, qf.data(), head_dim);
-#ifdef __AVX512F__
-        if (head_dim == 64) attend_head<T, 4>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
-        else if (head_dim == 128) attend_head<T, 8>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
-        else
-#endif
-          attend_head_plain<T>(qf.data(), k_ptr, v_ptr, context, head_dim, scores.data(), row.data(), acc.data());
+        if (head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else if (head_dim == 128) attend_head<T, 128>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else attend_head_plain<T>(qf.data(), k_ptr, v_ptr, context, head_dim, scores.data(), row.data(), acc.data());
         T* o = out_ptr + head * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d]);
       }

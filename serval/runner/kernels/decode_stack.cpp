@@ -38,7 +38,7 @@ LinearWeights linear_weights(const torch::Tensor* t, int64_t max_quantized_rows,
   LinearWeights w{t[0], optional(t[1]), optional(t[2]), optional(t[3])};
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
-  w.use_small_batch_kernel = has_bf16_linear() && w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
+  w.use_small_batch_kernel = w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
   return w;
 }
 

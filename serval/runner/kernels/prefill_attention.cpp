@@ -6,10 +6,10 @@
 // prefill chunk needs no gather and no mask tensor.
 //
 // Work is split into tasks of (sequence, kv head, block of 16 query rows), the heaviest (last rows) first. A
-// task converts the K and V rows it needs to fp32 once; K goes transposed into 16-key tiles, so a row's 16
-// scores are 16-lane FMAs of the broadcast query, with no horizontal sums. Then for each of the G query heads
+// task converts the K and V rows it needs to fp32 once; K goes transposed into tiles of kWidth keys (16 on
+// AVX-512, 8 on AVX2), so a row's scores are lane-wise FMAs of the broadcast query, with no horizontal sums. Then for each of the G query heads
 // sharing the kv head: scores, an exact softmax (max, exp, sum), the softmax-weighted sum of V. Rows go 4 at
-// a time (2 for head size 128) so that enough independent FMA chains are in flight.
+// a time (fewer for wider heads) so that enough independent FMA chains are in flight.
 //
 // NOTE: PyTorch's SDPA on the CPU took ~0.6-1 ms per layer for one 137-token prompt of SmolLM2 (its math path
 // with GQA materialises the masks and repeats K/V); this is the prefill's largest cost after the matmuls.
@@ -20,7 +20,7 @@ using namespace serval_kernels;
 namespace {
 
 constexpr int64_t kQueryBlock = 16;
-constexpr int64_t kTile = 16;
+constexpr int64_t kTile = simd::kWidth;  // keys per tile: one per vector lane
 
 struct Task {
   int64_t seq, kv_head, row_begin, row_end;  // rows: indices into the sequence's new tokens
@@ -89,21 +89,20 @@ void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, c
   }
 }
 
-#ifdef __AVX512F__
-inline __mmask16 keys_visible(int64_t position, int64_t tile) {  // keys of the tile at or before `position`
-  const int64_t count = std::clamp<int64_t>(position - tile * kTile + 1, 0, kTile);
-  return static_cast<__mmask16>((1u << count) - 1);
+inline int64_t keys_visible(int64_t position, int64_t tile) {  // keys of the tile at or before `position`
+  return std::clamp<int64_t>(position - tile * kTile + 1, 0, kTile);
 }
 
-template <typename T, int C>  // head_dim = 16 * C
+template <typename T, int D>  // head_dim, a multiple of kWidth
 void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
-  constexpr int64_t D = 16 * C;
-  constexpr int R = C <= 4 ? 4 : 2;  // rows at a time: R * C output accumulators in registers
+  using simd::Vec;
+  constexpr int W = simd::kWidth, C = D / W;
+  constexpr int R = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows at a time: R * C output accumulators in registers
   const int64_t num_keys = s.position(task.row_end - 1) + 1;
   const int64_t num_tiles = (num_keys + kTile - 1) / kTile, padded = num_tiles * kTile;
   const int64_t rows = task.row_end - task.row_begin;
-  scratch.keys.assign(padded * D, 0.0f);  // tile-major, transposed: keys[tile][d][16]
+  scratch.keys.assign(padded * D, 0.0f);  // tile-major, transposed: keys[tile][d][kTile]
   scratch.values.assign(padded * D, 0.0f);
   scratch.queries.assign(l.group * kQueryBlock * D, 0.0f);  // pre-scaled; rows past `rows` stay zero
   scratch.scores.resize(l.group * kQueryBlock * padded);
@@ -115,76 +114,76 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
     load_row(k_cache + row, row_buffer, D);
     float* tile = keys + (t / kTile) * kTile * D + t % kTile;
     for (int64_t d = 0; d < D; ++d) tile[d * kTile] = row_buffer[d];
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(values + t * D + 16 * c, load16(v_cache + row + 16 * c));
+    load_row(v_cache + row, values + t * D, D);
   }
-  const __m512 scale = _mm512_set1_ps(l.scale);
+  const Vec scale = simd::set1(l.scale);
+  const Vec minus_infinity = simd::set1(-INFINITY);
   for (int64_t g = 0; g < l.group; ++g) {
     const int64_t head = task.kv_head * l.group + g;
     float* queries = scratch.queries.data() + g * kQueryBlock * D;
     float* scores = scratch.scores.data() + g * kQueryBlock * padded;
     for (int64_t i = 0; i < rows; ++i) {
       const T* src = q + (s.query_start + task.row_begin + i) * l.q_token_stride + head * l.q_head_stride;
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(queries + i * D + 16 * c, _mm512_mul_ps(load16(src + 16 * c), scale));
+      for (int c = 0; c < C; ++c) simd::store(queries + i * D + W * c, simd::mul(simd::load(src + W * c), scale));
     }
     for (int64_t i0 = 0; i0 < rows; i0 += R) {
       int64_t position[R];
       for (int i = 0; i < R; ++i) position[i] = s.position(task.row_begin + std::min<int64_t>(i0 + i, rows - 1));
       const int64_t tiles = position[R - 1] / kTile + 1;  // the rows' last tile; later keys are all masked
       // Scores, masked past each row's position, and each row's max.
-      __m512 vmax[R];
-      for (int i = 0; i < R; ++i) vmax[i] = _mm512_set1_ps(-INFINITY);
+      Vec vmax[R];
+      for (int i = 0; i < R; ++i) vmax[i] = minus_infinity;
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const float* kt = keys + tile * kTile * D;
-        __m512 a[R][2];
-        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+        Vec a[R][2];
+        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = simd::zero();
         for (int64_t d = 0; d < D; d += 2) {
-          const __m512 k0 = _mm512_loadu_ps(kt + d * kTile), k1 = _mm512_loadu_ps(kt + (d + 1) * kTile);
+          const Vec k0 = simd::load(kt + d * kTile), k1 = simd::load(kt + (d + 1) * kTile);
           for (int i = 0; i < R; ++i) {
             const float* qi = queries + (i0 + i) * D;
-            a[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(qi[d]), k0, a[i][0]);
-            a[i][1] = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 1]), k1, a[i][1]);
+            a[i][0] = simd::fmadd(simd::set1(qi[d]), k0, a[i][0]);
+            a[i][1] = simd::fmadd(simd::set1(qi[d + 1]), k1, a[i][1]);
           }
         }
         for (int i = 0; i < R; ++i) {
-          const __m512 sc = _mm512_add_ps(a[i][0], a[i][1]);
-          vmax[i] = _mm512_mask_max_ps(vmax[i], keys_visible(position[i], tile), vmax[i], sc);
-          _mm512_storeu_ps(scores + (i0 + i) * padded + tile * kTile, sc);
+          const Vec sc = simd::add(a[i][0], a[i][1]);
+          vmax[i] = simd::max(vmax[i], simd::first_lanes(keys_visible(position[i], tile), sc, minus_infinity));
+          simd::store(scores + (i0 + i) * padded + tile * kTile, sc);
         }
       }
       // Softmax numerators, zero past each row's position; 1 / their sum is applied to the output.
       float inverse_sum[R];
       for (int i = 0; i < R; ++i) {
         float* row = scores + (i0 + i) * padded;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[i]));
-        __m512 vsum = _mm512_setzero_ps();
+        const Vec m = simd::set1(simd::reduce_max(vmax[i]));
+        Vec vsum = simd::zero();
         for (int64_t tile = 0; tile < tiles; ++tile) {
-          const __m512 e = _mm512_maskz_mov_ps(keys_visible(position[i], tile),
-                                               exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + tile * kTile), m)));
-          _mm512_storeu_ps(row + tile * kTile, e);
-          vsum = _mm512_add_ps(vsum, e);
+          const Vec e = simd::first_lanes(keys_visible(position[i], tile),
+                                          simd::exp_nonpositive(simd::sub(simd::load(row + tile * kTile), m)), simd::zero());
+          simd::store(row + tile * kTile, e);
+          vsum = simd::add(vsum, e);
         }
-        inverse_sum[i] = 1.0f / _mm512_reduce_add_ps(vsum);
+        inverse_sum[i] = 1.0f / simd::reduce_add(vsum);
       }
       // out = sum_t p_t v_t / sum_t p_t
-      __m512 acc[R][C];
+      Vec acc[R][C];
       for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[i][c] = simd::zero();
       for (int64_t t = 0; t < tiles * kTile; ++t) {
-        __m512 v[C];
-        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values + t * D + 16 * c);
+        Vec v[C];
+        for (int c = 0; c < C; ++c) v[c] = simd::load(values + t * D + W * c);
         for (int i = 0; i < R; ++i) {
-          const __m512 p = _mm512_set1_ps(scores[(i0 + i) * padded + t]);
-          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+          const Vec p = simd::set1(scores[(i0 + i) * padded + t]);
+          for (int c = 0; c < C; ++c) acc[i][c] = simd::fmadd(p, v[c], acc[i][c]);
         }
       }
       for (int i = 0; i < R && i0 + i < rows; ++i) {
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(row_buffer + 16 * c, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inverse_sum[i])));
+        for (int c = 0; c < C; ++c) simd::store(row_buffer + W * c, simd::mul(acc[i][c], simd::set1(inverse_sum[i])));
         store_row(row_buffer, out + (s.query_start + task.row_begin + i0 + i) * l.out_token_stride + head * l.out_head_stride, D);
       }
     }
   }
 }
-#endif
 
 template <typename T>
 void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -222,11 +221,9 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const Sequence& s = seqs[task.seq];
-#ifdef __AVX512F__
-      if (l.head_dim == 32) { attend_task<T, 2>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (l.head_dim == 64) { attend_task<T, 4>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (l.head_dim == 128) { attend_task<T, 8>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-#endif
+      if (l.head_dim == 32) { attend_task<T, 32>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (l.head_dim == 64) { attend_task<T, 64>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (l.head_dim == 128) { attend_task<T, 128>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
       attend_task_plain<T>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
     }
   }, Schedule::kDynamic);

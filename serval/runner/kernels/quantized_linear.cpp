@@ -17,14 +17,13 @@
 // output of 15 of the 16 fidelity prompts within 32 tokens on the default model: its activations have
 // outlier channels that take the whole 8-bit range of their block.) The 4-bit min term uses the exact sum
 // of each block of x.
-#include "common.h"
+#include "quantized.h"
 
 using namespace serval_kernels;
+using namespace serval_kernels::quantized;
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kGroup = 16;   // output rows per register
 constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay in registers
 // How far ahead of its use a group's codes are asked for. The codes of consecutive groups are consecutive,
 // so this runs on into the next group a thread takes (or past the end: a prefetch never faults). The
@@ -123,6 +122,91 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
+#elif defined(__AVX2__)
+// AVX2 has no VPDPWSSD: VPMADDWD multiplies the same int16 operands pairwise into int32 (8 per register) and
+// a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
+// rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
+template <bool kFourBit, int R>
+void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
+                int64_t r0, int64_t K, float* out, int64_t out_stride) {
+  const int64_t num_blocks = K / kBlock;
+  constexpr int kChunks = kFourBit ? 4 : 8;
+  constexpr int kOperands = kFourBit ? 4 : 2;  // weight pairs per chunk
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = codes + b * kChunks * 64;
+    __m256i dots[R][2];
+    for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+    for (int c = 0; c < kChunks; ++c) {
+      simd::prefetch(block + c * 64 + kPrefetchBytes);
+      __m256i operand[kOperands];  // 32 bytes of (row, element) pairs each: pair kOperands * c + o
+      const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64));
+      const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + 32));
+      if constexpr (kFourBit) {
+        operand[0] = _mm256_and_si256(half0, nibble);
+        operand[1] = _mm256_and_si256(half1, nibble);
+        operand[2] = _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble);
+        operand[3] = _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble);
+      } else {
+        operand[0] = half0;
+        operand[1] = half1;
+      }
+      for (int o = 0; o < kOperands; ++o) {
+        const __m128i low = _mm256_castsi256_si128(operand[o]), high = _mm256_extracti128_si256(operand[o], 1);
+        const __m256i rows0 = kFourBit ? _mm256_cvtepu8_epi16(low) : _mm256_cvtepi8_epi16(low);
+        const __m256i rows1 = kFourBit ? _mm256_cvtepu8_epi16(high) : _mm256_cvtepi8_epi16(high);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq.codes.data() + (r0 + r) * K + b * kBlock + 2 * (kOperands * c + o), 4);
+          const __m256i x = _mm256_set1_epi32(pair);
+          dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(rows0, x));
+          dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(rows1, x));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroup + 8 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + b * kGroup + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * num_blocks + b;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xq.scales[i])), acc[r][h]);
+        if constexpr (kFourBit) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sums[i]), acc[r][h]);  // + m sum(x_b)
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * out_stride, acc[r][0]);
+    _mm256_storeu_ps(out + r * out_stride + 8, acc[r][1]);
+  }
+}
+#else
+// Portable: the same integer sums, one block unpacked at a time (the compiler vectorizes over the 16 rows).
+template <bool kFourBit, int R>
+void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
+                int64_t r0, int64_t K, float* out, int64_t out_stride) {
+  const int64_t num_blocks = K / kBlock;
+  float acc[R][kGroup] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    int16_t w[kBlock][kGroup];
+    unpack_block<kFourBit>(codes + b * block_bytes(kFourBit), w);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = xq.codes.data() + (r0 + r) * K + b * kBlock;
+      const int64_t i = (r0 + r) * num_blocks + b;
+      int32_t dot[kGroup] = {};
+      for (int k = 0; k < kBlock; ++k)
+        for (int n = 0; n < kGroup; ++n) dot[n] += static_cast<int32_t>(w[k][n]) * x[k];
+      for (int n = 0; n < kGroup; ++n) {
+        const float d = static_cast<float>(scales[b * kGroup + n]);
+        acc[r][n] += static_cast<float>(dot[n]) * (d * xq.scales[i]);
+        if constexpr (kFourBit) acc[r][n] += static_cast<float>(offsets[b * kGroup + n]) * xq.sums[i];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, acc[r], sizeof(acc[r]));
+}
+#endif
 
 using GroupRows = void (*)(const uint8_t*, const at::Half*, const at::Half*, const QuantizedRows&, int64_t, int64_t,
                            float*, int64_t);
@@ -140,14 +224,13 @@ GroupRows group_rows_for(int64_t rows) {
     default: return group_rows<kFourBit, 8>;
   }
 }
-#endif
 
 }  // namespace
 
-// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width.
+// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
+// through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp (FMAs are).
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                int64_t N) {
-#if defined(__AVX512VNNI__)
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 3 && offsets.dim() == 3, "packed shapes");
   const bool four_bit = codes.scalar_type() == torch::kByte;
   TORCH_CHECK(four_bit || codes.scalar_type() == torch::kChar, "codes: uint8 (4-bit) or int8 (8-bit)");
@@ -157,7 +240,6 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "fp16 scales and offsets");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "packed tensors: contiguous");
   const auto xf = x.to(torch::kFloat).contiguous();
-  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
   // Padded to whole groups; the padding columns are dropped by the narrow below.
   auto out = torch::empty({M, num_groups * kGroup}, xf.options());
   float* op = out.data_ptr<float>();
@@ -165,29 +247,22 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const int64_t group_bytes = codes.stride(0);
   const at::Half* scale_ptr = scales.data_ptr<at::Half>();
   const at::Half* offset_ptr = offsets.data_ptr<at::Half>();
-  // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
-  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
-    for (int64_t G = begin; G < end; ++G) {
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, M - r0);
-        const GroupRows run = four_bit ? group_rows_for<true>(rows) : group_rows_for<false>(rows);
+  if (M == 0) {
+    // nothing to compute (a step that samples no token asks for no logits)
+  } else if (M > kMaxRows) {
+    matmul_dequantized_tiles(xf.data_ptr<float>(), M, K, code_ptr, group_bytes, scale_ptr, offset_ptr, four_bit,
+                             num_groups, op, out.size(1));
+  } else {
+    const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
+    const GroupRows run = four_bit ? group_rows_for<true>(M) : group_rows_for<false>(M);
+    // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
+    parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+      for (int64_t G = begin; G < end; ++G) {
         run(code_ptr + G * group_bytes, scale_ptr + G * num_blocks * kGroup, offset_ptr + G * num_blocks * kGroup,
-            xq, r0, K, op + r0 * out.size(1) + G * kGroup, out.size(1));
+            xq, 0, K, op + G * kGroup, out.size(1));
       }
-    }
-  });
+    });
+  }
   auto y = out.narrow(1, 0, N);
   return x.scalar_type() == torch::kFloat ? y.contiguous() : y.to(x.scalar_type());
-#else
-  TORCH_CHECK(false, "built without AVX512-VNNI");
-  return x;
-#endif
-}
-
-bool has_quantized_linear() {
-#if defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
 }

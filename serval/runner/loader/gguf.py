@@ -189,6 +189,17 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return config_from_reader(open_gguf(path))
 
 
+def weight_formats(reader: GGUFReader) -> tuple[str, ...]:
+    """The ggml types of the file's matrices ("Q4_1", "Q8_0", ...), most weights first; 1-D tensors (norms,
+    biases) are not counted."""
+    weights_by_type: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) >= 2:
+            name = tensor.tensor_type.name
+            weights_by_type[name] = weights_by_type.get(name, 0) + int(tensor.n_elements)
+    return tuple(sorted(weights_by_type, key=weights_by_type.__getitem__, reverse=True))
+
+
 def hf_tensor_name(gguf_name: str) -> str:
     """The Hugging Face name of a llama.cpp tensor name; ValueError for one this loader does not know."""
     if gguf_name in _GLOBAL_NAMES:

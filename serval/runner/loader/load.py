@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from serval.model_source import ModelSource
-from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config
+from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
 from serval.runner.quantization import pack_exact_low_bit
@@ -15,19 +16,36 @@ from serval.runner.quantization import pack_exact_low_bit
 WeightsReader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
-def open_checkpoint(source: ModelSource) -> tuple[ArchConfig, WeightsReader]:
-    """The checkpoint's architecture, and a function that streams its weights with Hugging Face names.
+# GGUF tensor types whose weights the quantized kernels run from their packed form (runner/quantization.py).
+PACKABLE_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
-    A GGUF file is parsed once for both (its metadata alone takes seconds to read).
+
+@dataclass(frozen=True)
+class Checkpoint:
+    arch: ArchConfig
+    read_weights: WeightsReader  # streams the weights with Hugging Face names
+    # The stored weight formats of its matrices, most weights first: GGUF types ("Q4_1", "Q8_0", "F16") or
+    # safetensors dtypes ("BF16"); 1-D tensors (norms, biases) are not counted.
+    weight_formats: tuple[str, ...]
+
+    @property
+    def has_packable_weights(self) -> bool:
+        return any(f in PACKABLE_GGUF_TYPES for f in self.weight_formats)
+
+
+def open_checkpoint(source: ModelSource) -> Checkpoint:
+    """The checkpoint's architecture, weight formats and a function that streams its weights.
+
+    A GGUF file is parsed once for all three (its metadata alone takes seconds to read).
     """
     if source.is_gguf:
-        from serval.runner.loader.gguf import config_from_reader, iter_gguf_weights, open_gguf
+        from serval.runner.loader.gguf import config_from_reader, iter_gguf_weights, open_gguf, weight_formats
 
         reader = open_gguf(source.path)
         arch = ArchConfig.from_hf_config(config_from_reader(reader))
-        return arch, lambda: iter_gguf_weights(source.path, reader)
+        return Checkpoint(arch, lambda: iter_gguf_weights(source.path, reader), weight_formats(reader))
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
-    return arch, lambda: iter_safetensors_weights(source.path)
+    return Checkpoint(arch, lambda: iter_safetensors_weights(source.path), safetensors_formats(source.path))
 
 
 def load_model(

@@ -50,3 +50,20 @@ def iter_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor
                 for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     yield name, f.get_tensor(name)
                     bar.update(1)
+
+
+def safetensors_formats(directory: str) -> tuple[str, ...]:
+    """The dtypes of the checkpoint's matrices ("BF16", "F32", ...), most weights first (headers only)."""
+    weights_by_dtype: dict[str, int] = {}
+    for path in safetensors_files(directory):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                sliced = f.get_slice(name)
+                shape = sliced.get_shape()
+                if len(shape) >= 2:
+                    count = 1
+                    for n in shape:
+                        count *= n
+                    dtype = sliced.get_dtype()
+                    weights_by_dtype[dtype] = weights_by_dtype.get(dtype, 0) + count
+    return tuple(sorted(weights_by_dtype, key=weights_by_dtype.__getitem__, reverse=True))

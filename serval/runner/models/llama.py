@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from serval.runner.attention import AttentionMetadata, paged_attention
+from serval.runner.kernels import packed_rows_limit
 from serval.runner.layers import (
     GatedMLP,
     Linear,
@@ -102,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         # The tied head's exact packed form (runner/quantization.py) and its kernel, when it has one.
         self.packed_tied_head = None
         self.tied_head_quantized_kernel = None
+        self.tied_head_max_quantized_rows = 0
         # kernels.DecodeStack over every layer, set by the runner with the native kernels (make_decode_stack):
         # decode-only steps without adapters run all layers in one native call.
         self.decode_stack = None
@@ -134,7 +136,12 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(x).float()
         weight = self.embed_tokens.weight
         logits = small_batch_linear(
-            x, weight, self.tied_head_kernel, self.packed_tied_head, self.tied_head_quantized_kernel
+            x,
+            weight,
+            self.tied_head_kernel,
+            self.packed_tied_head,
+            self.tied_head_quantized_kernel,
+            self.tied_head_max_quantized_rows,
         )
         return (x @ weight.t() if logits is None else logits).float()
 
@@ -170,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         arch = self.arch
         return kernels.DecodeStack(
             layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
-            self.layers[0].self_attn.scale, Linear.MAX_QUANTIZED_ROWS, Linear.MAX_KERNEL_ROWS,
+            self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
         )  # fmt: skip
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,178 @@
+// One fp32 vector type for the kernels, whichever instruction set this variant is compiled for.
+//
+// The same kernel sources are compiled once per variant (serval/runner/kernels/__init__.py): with AVX-512
+// flags a Vec is a __m512 (16 lanes), with AVX2+FMA+F16C a __m256 (8 lanes), and in the portable variant
+// an array of 8 floats whose loops the compiler vectorizes for whatever the baseline is (SSE2, NEON).
+// Algorithms are written once against kWidth lanes; only these few operations differ per ISA.
+#pragma once
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace serval_kernels::simd {
+
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+struct Vec { __m512 v; };
+
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec load(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit left shift of the bits
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+inline Vec load(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+// Lanes [0, count) from a, the rest from b.
+inline Vec first_lanes(int64_t count, Vec a, Vec b) {
+  const __mmask16 mask = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
+  return {_mm512_mask_mov_ps(b.v, mask, a.v)};
+}
+inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT)}; }
+inline Vec times_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+
+// Lane i of the result is the sum of the lanes of v[i]: 16 horizontal sums in 45 shuffles and adds
+// instead of 16 separate reductions.
+inline Vec sum_each(const Vec* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit chunk: the chunk's sum of each of 4 vectors
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD))};
+}
+
+#elif defined(__AVX2__)
+constexpr int kWidth = 8;
+struct Vec { __m256 v; };
+
+inline Vec zero() { return {_mm256_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec load(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+}
+inline Vec load(const at::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline Vec first_lanes(int64_t count, Vec a, Vec b) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 take = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(count)), _CMP_LT_OQ);
+  return {_mm256_blendv_ps(b.v, a.v, take)};
+}
+inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// a * 2^n for integral n in [-126, 127]: n goes straight into the exponent bits.
+inline Vec times_pow2(Vec a, Vec n) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(a.v, _mm256_castsi256_ps(bits))};
+}
+
+// Lane i of the result is the sum of the lanes of v[i] (8 vectors): three rounds of pairwise adds.
+inline Vec sum_each(const Vec* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0].v, v[1].v), t1 = _mm256_hadd_ps(v[2].v, v[3].v);
+  const __m256 t2 = _mm256_hadd_ps(v[4].v, v[5].v), t3 = _mm256_hadd_ps(v[6].v, v[7].v);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: 4 partial sums
+  return {_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))};
+}
+
+#else
+// Portable: plain loops over 8 lanes, vectorized by the compiler for the target's baseline.
+constexpr int kWidth = 8;
+struct Vec { float v[8]; };
+
+#define SERVAL_LANES(expr) \
+  Vec r;                   \
+  for (int i = 0; i < 8; ++i) r.v[i] = (expr); \
+  return r
+inline Vec zero() { SERVAL_LANES(0.0f); }
+inline Vec set1(float x) { SERVAL_LANES(x); }
+inline Vec load(const float* p) { SERVAL_LANES(p[i]); }
+inline Vec load(const at::BFloat16* p) { SERVAL_LANES(static_cast<float>(p[i])); }
+inline Vec load(const at::Half* p) { SERVAL_LANES(static_cast<float>(p[i])); }
+inline Vec add(Vec a, Vec b) { SERVAL_LANES(a.v[i] + b.v[i]); }
+inline Vec sub(Vec a, Vec b) { SERVAL_LANES(a.v[i] - b.v[i]); }
+inline Vec mul(Vec a, Vec b) { SERVAL_LANES(a.v[i] * b.v[i]); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { SERVAL_LANES(a.v[i] * b.v[i] + c.v[i]); }
+inline Vec max(Vec a, Vec b) { SERVAL_LANES(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline Vec first_lanes(int64_t count, Vec a, Vec b) { SERVAL_LANES(i < count ? a.v[i] : b.v[i]); }
+inline Vec round_nearest(Vec a) { SERVAL_LANES(std::nearbyint(a.v[i])); }
+inline Vec times_pow2(Vec a, Vec n) { SERVAL_LANES(std::ldexp(a.v[i], static_cast<int>(n.v[i]))); }
+inline Vec sum_each(const Vec* v) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < 8; ++j) s += v[i].v[j];
+    r.v[i] = s;
+  }
+  return r;
+}
+#undef SERVAL_LANES
+inline void store(float* p, Vec a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline float reduce_add(Vec a) {
+  float s = 0.0f;
+  for (float x : a.v) s += x;
+  return s;
+}
+inline float reduce_max(Vec a) {
+  float m = a.v[0];
+  for (float x : a.v) m = x > m ? x : m;
+  return m;
+}
+#endif
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and a
+// degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sums it feeds).
+inline Vec exp_nonpositive(Vec x) {
+  x = max(x, set1(-87.0f));  // e^-87 is already below the smallest normal float
+  const Vec n = round_nearest(mul(x, set1(1.44269504089f)));
+  Vec r = fmadd(n, set1(-0.693145751953125f), x);
+  r = fmadd(n, set1(-1.428606765330187e-06f), r);
+  Vec p = set1(1.0f / 720);
+  p = fmadd(p, r, set1(1.0f / 120));
+  p = fmadd(p, r, set1(1.0f / 24));
+  p = fmadd(p, r, set1(1.0f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  return times_pow2(p, n);
+}
+
+// Asks for the cache line at p ahead of its use (a no-op where the target has no prefetch instruction).
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+}  // namespace serval_kernels::simd

@@ -1,0 +1,95 @@
+"""Kernel variants: which one a CPU gets, and that every variant compiles here, whether this CPU runs it or not.
+
+The variants this CPU can execute are built and tested against the same references by the other kernel tests
+(the `kernels` fixture); the others are compiled here from the same sources with their own target flags, so
+a syntax or type error in, say, the AVX-512 path fails on an AVX2 machine too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from serval.runner.kernels import (
+    SOURCES,
+    VARIANTS,
+    compile_flags,
+    is_x86,
+    load_cpu_kernels,
+    runnable_variants,
+    variant_named,
+)
+from tests.fixtures.kernels import VARIANT_NAMES, has_compiler
+
+ZEN4 = frozenset(
+    "sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16 avx512cd".split()
+)
+ZEN3 = frozenset("sse2 avx avx2 fma f16c bmi2".split())
+SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # AVX-512 without VNNI and BF16
+
+
+@pytest.mark.skipif(not is_x86(), reason="x86 feature sets")
+@pytest.mark.parametrize(
+    "flags, best", [(ZEN4, "avx512"), (ZEN3, "avx2"), (SKYLAKE_X, "avx2"), (frozenset({"sse2"}), "portable")]
+)
+def test_the_best_variant_the_cpu_can_execute_is_chosen(flags, best):
+    runnable = runnable_variants(flags)
+    assert runnable[0].name == best
+    assert runnable[-1].name == "portable"
+
+
+def test_a_variant_the_cpu_cannot_execute_is_refused():
+    missing = [v for v in VARIANTS if v not in runnable_variants()]
+    if not missing:
+        pytest.skip("this CPU executes every variant")
+    with pytest.raises(ValueError, match="lacks"):
+        load_cpu_kernels(missing[0].name)
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        load_cpu_kernels("avx1024")
+
+
+def test_builds_are_keyed_by_explicit_target_flags():
+    # A cached build made on one CPU must never run on another that lacks its instructions: no variant is
+    # compiled for "whatever this machine has".
+    for variant in VARIANTS:
+        flags = compile_flags(variant)
+        assert not any(f.startswith(("-march=native", "-mtune=native", "-mcpu=native")) for f in flags)
+        assert f"-DSERVAL_VARIANT={variant.name}" in flags
+
+
+def _compile_command(source: str, flags: list[str]) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in (*include_paths(), sysconfig.get_paths()["include"], os.path.dirname(source))]
+    # -O0: the intrinsics' target checks and every template instantiation happen at any level, faster.
+    return [
+        "c++", "-std=c++17", "-fPIC", "-c", "-o", os.devnull, source, "-DTORCH_EXTENSION_NAME=variant_check",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *[f for f in flags if not f.startswith("-O")], "-O0",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_every_variant_compiles_even_where_the_cpu_cannot_run_it(name):
+    if not has_compiler():
+        pytest.skip("no C++ compiler on this machine")
+    variant = variant_named(name)
+    if variant in runnable_variants():
+        pytest.skip(f"{name} runs here: built and tested in full by the kernel tests")
+    if variant.compiler_flags and not is_x86():
+        pytest.skip(f"{name} is an x86 variant")
+
+    def compile_one(source: str) -> tuple[str, subprocess.CompletedProcess]:
+        command = _compile_command(source, compile_flags(variant))
+        return source, subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, SOURCES))
+    failures = [f"{os.path.basename(s)}:\n{r.stderr[-3000:]}" for s, r in results if r.returncode != 0]
+    assert not failures, "\n".join(failures)
