@@ -127,7 +127,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         y = small_batch_linear(
-            x, self.weight, self.small_batch_kernel, self.packed, self.quantized_kernel, self.max_quantized_rows
+            x,
+            self.weight,
+            self.small_batch_kernel,
+            self.packed,
+            self.quantized_kernel,
+            self.max_quantized_rows,
         )
         if y is None:
             y = F.linear(x, self.weight, self.bias)

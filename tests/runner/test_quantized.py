@@ -130,7 +130,9 @@ PROMPTS = [list(range(3, 40)), [7, 99, 250, 13, 13, 13, 5], list(range(300, 340,
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
-def test_decode_stack_computes_what_the_layers_compute(tiny_model_factory, kernels, architecture, monkeypatch):
+def test_decode_stack_computes_what_the_layers_compute(
+    tiny_model_factory, kernels, architecture, monkeypatch
+):
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
     directory, _ = tiny_model_factory(architecture, False)
     for dtype in ("float32", "bfloat16"):
