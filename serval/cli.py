@@ -231,9 +231,11 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
         # of the collector's reach, its full passes no longer walk them in the middle of engine steps.
         gc.freeze()
         scheme = "https" if server.ssl_certfile else "http"
-        logging.getLogger("serval").info(
-            "serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port
-        )
+        logger = logging.getLogger("serval")
+        # One line that says what runs and how (weights, dtype, kernel variant, KV cache), so a slow report
+        # names its code path; /version and the serval_model_info metric say the same.
+        logger.info("model %s: %s", server.model_name, client.runner_info.describe())
+        logger.info("serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port)
         uvicorn.run(
             app,
             host=server.host,

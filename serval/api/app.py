@@ -28,6 +28,7 @@ from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
 from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
+from serval.api.version import model_facts, package_version
 from serval.server_config import ServerConfig
 from serval.serving.choices import keep_best
 from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
@@ -47,6 +48,7 @@ ROUTES = frozenset(
         "/tokenize",
         "/detokenize",
         "/metrics",
+        "/version",
         *ADMIN_PATHS,
     }
 )
@@ -77,7 +79,8 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     app = FastAPI(title="serval", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = Metrics(frontend.stats)
+    facts = model_facts(config.model_name, frontend.runner_info, frontend.max_model_len)
+    metrics = Metrics(frontend.stats, facts)
     started = int(time.time())
     install_error_handlers(app)
 
@@ -276,6 +279,13 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    version_body = {"version": package_version(), **facts}
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        # As vLLM's /version, plus what /metrics labels serval_model_info with; needs a key as /metrics does.
+        return version_body
 
     add_lora_routes(app, config, frontend)
     app.state.metrics = metrics

@@ -2,15 +2,16 @@
 in tests, must not share or clash).
 
 Owns the counters the HTTP layer observes (requests by status, prompt and generated tokens, time to first token,
-end-to-end latency) and a collector that reads the engine's gauges (running and waiting requests, KV-cache use,
-prefix-cache hits) at scrape time, so they are never stale.
+end-to-end latency), a collector that reads the engine's gauges (running and waiting requests, KV-cache use,
+prefix-cache hits) at scrape time, so they are never stale, and the `serval_model_info` gauge: always 1, its
+labels say what is served and how (api/version.py), so a dashboard can join them to any other series.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -63,8 +64,14 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_facts: Mapping[str, object]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Info-style (as vLLM's cache_config_info): the facts are fixed at start-up, so set once.
+        model_info = Gauge(
+            "serval_model_info", "The served model and how it runs (labels); always 1.", list(model_facts),
+            registry=self.registry,
+        )  # fmt: skip
+        model_info.labels(**{name: str(value) for name, value in model_facts.items()}).set(1)
         self.requests = Counter(
             "serval_http_requests", "HTTP requests answered, by route and status.", ["path", "status"],
             registry=self.registry,

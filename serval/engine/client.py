@@ -20,6 +20,7 @@ from serval.engine.constraint import TokenConstraint
 from serval.engine.engine import Engine
 from serval.engine.lora import LoraCard, LoraError, UnknownLoraError
 from serval.engine.outputs import RequestOutput
+from serval.runner.runner import RunnerInfo
 from serval.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class EngineClient:
         self.engine = engine
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.runner.info.vocab_size  # the logits' width (may exceed the tokenizer's)
+        # What is served and how (architecture, weight format, kernels, KV cache), fixed once loaded: the
+        # layers above read the runner's facts here (start-up log, /metrics, /version), never from the runner.
+        self.runner_info: RunnerInfo = engine.runner.info
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending

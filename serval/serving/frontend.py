@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError
+from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError, RunnerInfo
 from serval.engine.lora import UnknownLoraError
 from serval.sampling import SamplingParams
 from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
@@ -60,6 +60,10 @@ class Frontend:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def runner_info(self) -> RunnerInfo:
+        return self.engine.runner_info
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -1,11 +1,15 @@
-"""Response shapes of the app over a scripted engine: JSON, SSE framing and usage placement, auth, metrics."""
+"""Response shapes of the app over a scripted engine: JSON, SSE framing and usage placement, auth, metrics,
+/version."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from serval.api import version
 from tests.api.conftest import MODEL
 from tests.api.invalid_cases import check_error
 
@@ -161,7 +165,8 @@ def test_api_keys(make_client, header, status):
     client = make_client(api_keys=("k1", "k2"))
     headers = {} if header is None else {"Authorization": header}
     for method, path, payload in [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", body()),
-                                  ("GET", "/metrics", None), ("POST", "/tokenize", {"prompt": "x"})]:  # fmt: skip
+                                  ("GET", "/metrics", None), ("GET", "/version", None),
+                                  ("POST", "/tokenize", {"prompt": "x"})]:  # fmt: skip
         response = client.request(method, path, headers=headers, json=payload)
         if status == 401:
             error = check_error(response, 401, None)
@@ -181,3 +186,34 @@ def test_metrics_count_requests_and_tokens(client):
     assert "serval_time_to_first_token_seconds_count 1.0" in text
     assert "serval_kv_cache_usage_perc 0.0" in text
     assert "serval_prefix_cache_hits_total" in text and "serval_num_requests_running" in text
+
+
+# FakeEngine's runner facts; max_model_len is the engine's (256), not the runner's context (4096).
+MODEL_FACTS = {
+    "model": MODEL, "architecture": "FakeForCausalLM", "weight_format": "Q4_1+Q8_0", "dtype": "bfloat16",
+    "device": "cpu", "kernel_variant": "avx2", "num_threads": 3, "kv_cache_tokens": 320, "max_model_len": 256,
+}  # fmt: skip
+
+
+def test_model_info_gauge(client):
+    # Parsed as Prometheus parses a scrape: a malformed exposition raises here.
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    info = families["serval_model_info"]
+    assert info.type == "gauge"
+    [sample] = info.samples
+    assert sample.value == 1.0
+    assert sample.labels == {name: str(value) for name, value in MODEL_FACTS.items()}
+
+
+def test_version(client):
+    response = client.get("/version")
+    assert response.status_code == 200
+    assert response.json() == {"version": importlib.metadata.version("serval"), **MODEL_FACTS}
+
+
+def test_version_without_package_metadata(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert version.package_version() == "0.1.0"

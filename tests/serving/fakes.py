@@ -61,6 +61,13 @@ class FakeEngine:
         self.loras: dict = {}  # name -> LoraCard, as EngineClient.loras
         self.max_loras = 2
         self.lora_names: dict[str, str | None] = {}  # request id -> the adapter it asked for
+        from serval.engine.client import RunnerInfo
+
+        # Every fact distinct from the others, so a label filled from the wrong field shows.
+        self.runner_info = RunnerInfo(
+            num_blocks=10, block_size=32, max_model_len=4096, vocab_size=258, dtype="bfloat16", device="cpu",
+            architecture="FakeForCausalLM", weight_format="Q4_1+Q8_0", kernel_variant="avx2", num_threads=3,
+        )  # fmt: skip
 
     async def generate(
         self,
