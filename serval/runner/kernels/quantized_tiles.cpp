@@ -18,21 +18,71 @@ constexpr int64_t kSliceBlocks = 8;  // 256 weights of K: a 16 KB fp32 slice
 // (AVX-512: 8 + 1 of 32; AVX2 and portable: 12 + 2 of 16).
 constexpr int kTileRows = simd::kWidth == 16 ? 8 : 6;
 
+#if defined(__AVX2__)
+// The 16 codes of weight k in rows 0-7 (lane 0 of `bytes`) and 8-15 (lane 1), bytes at offset `at` of each
+// lane, as w = d q + m in fp32.
+template <bool kSigned>
+inline void store_weight_rows(__m256i bytes, int at, const __m256 d[2], const __m256 m[2], float* w) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i lane = h == 0 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+    const __m128i shifted = at == 0 ? lane : _mm_srli_si128(lane, 8);
+    const __m256i q = kSigned ? _mm256_cvtepi8_epi32(shifted) : _mm256_cvtepu8_epi32(shifted);
+    _mm256_storeu_ps(w + 8 * h, _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(q), m[h]));
+  }
+}
+#endif
+
+// One block of one group into w[k][16], fp32.
+template <bool kFourBit>
+inline void dequantize_block(const uint8_t* block, const at::Half* scales, const at::Half* offsets, float* w) {
+#if defined(__AVX2__)
+  // Each 32-byte half of a chunk holds (row, element) byte pairs of rows 0-7, then rows 8-15; one shuffle
+  // per 128-bit lane puts element 0 of the 8 rows before element 1, so each weight's 8 rows are 8 bytes.
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))),
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 8)))};
+  const __m256 m[2] = {kFourBit ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets)))
+                                : _mm256_setzero_ps(),
+                       kFourBit ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + 8)))
+                                : _mm256_setzero_ps()};
+  constexpr int kChunks = kFourBit ? 4 : 8;
+  for (int c = 0; c < kChunks; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i raw = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + h * 32)), split);
+      if constexpr (kFourBit) {
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        for (int e = 0; e < 2; ++e) {
+          store_weight_rows<false>(low, 8 * e, d, m, w + (2 * (4 * c + h) + e) * kGroup);
+          store_weight_rows<false>(high, 8 * e, d, m, w + (2 * (4 * c + 2 + h) + e) * kGroup);
+        }
+      } else {
+        for (int e = 0; e < 2; ++e) store_weight_rows<true>(raw, 8 * e, d, m, w + (2 * (2 * c + h) + e) * kGroup);
+      }
+    }
+  }
+#else
+  int16_t q[kBlock][kGroup];
+  unpack_block<kFourBit>(block, q);
+  float d[kGroup], m[kGroup];
+  for (int n = 0; n < kGroup; ++n) {
+    d[n] = static_cast<float>(scales[n]);
+    m[n] = kFourBit ? static_cast<float>(offsets[n]) : 0.0f;
+  }
+  for (int k = 0; k < kBlock; ++k)
+    for (int n = 0; n < kGroup; ++n) w[k * kGroup + n] = d[n] * static_cast<float>(q[k][n]) + m[n];
+#endif
+}
+
 template <bool kFourBit>
 void dequantize_slice(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, int64_t b0,
                       int64_t num_blocks, float* w) {  // w: (num_blocks * 32, 16)
   for (int64_t i = 0; i < num_blocks; ++i) {
     const int64_t b = b0 + i;
-    int16_t q[kBlock][kGroup];
-    unpack_block<kFourBit>(codes + b * block_bytes(kFourBit), q);
-    float d[kGroup], m[kGroup];
-    for (int n = 0; n < kGroup; ++n) {
-      d[n] = static_cast<float>(scales[b * kGroup + n]);
-      m[n] = kFourBit ? static_cast<float>(offsets[b * kGroup + n]) : 0.0f;
-    }
-    float* wb = w + i * kBlock * kGroup;
-    for (int k = 0; k < kBlock; ++k)
-      for (int n = 0; n < kGroup; ++n) wb[k * kGroup + n] = d[n] * static_cast<float>(q[k][n]) + m[n];
+    dequantize_block<kFourBit>(codes + b * block_bytes(kFourBit), scales + b * kGroup, offsets + b * kGroup,
+                               w + i * kBlock * kGroup);
   }
 }
 
