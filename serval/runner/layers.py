@@ -186,6 +186,32 @@ def use_native_kernels(model: nn.Module, kernels) -> None:
             module.native_kernel = None if kernels is None else kernels.rotary_embedding_
 
 
+def release_dense_weights_served_packed(model: nn.Module) -> int:
+    """Free the dense weights of the Linear layers whose packed form serves every row count (the native
+    kernels' packed_rows_limit is unbounded, and no LoRA slots read them): the packed codes are then the
+    only copy, at the file's size. Returns the bytes freed.
+
+    The weight becomes a zero-strided view of one element with the matrix's shape and dtype, which the
+    native DecodeStack reads the shape from; nothing computes with it.
+    """
+    from serval.runner.kernels import UNBOUNDED_ROWS
+
+    freed = 0
+    for module in model.modules():
+        if (
+            isinstance(module, Linear)
+            and module.quantized_kernel is not None
+            and module.max_quantized_rows >= UNBOUNDED_ROWS
+            and module.lora_target is None
+            and module.weight.stride() != (0, 0)
+        ):
+            weight = module.weight
+            freed += weight.numel() * weight.element_size()
+            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            module.weight = nn.Parameter(placeholder, requires_grad=False)
+    return freed
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 

@@ -2,7 +2,8 @@
 
 A GGUF file's Q4_0, Q4_1 and Q8_0 tensors dequantize to blocks of 32 weights of the form d * q + m (4-bit)
 or d * q (8-bit) with fp16 d and m. `find_packed` recognizes such a matrix from its dequantized fp32 values,
-recovers its codes and scales exactly (it checks the round trip), and packs them in the kernel's layout.
+recovers its codes and scales exactly (it checks the round trip), and packs them in the kernel's layout;
+`LowBitPacker` does it for each tensor of a checkpoint as it streams in.
 Nothing is approximated here: a matrix that is not exactly of one of these forms (bf16 or fp32
 checkpoints, other GGUF types) gets None and stays on the bf16/fp32 path.
 """
@@ -33,16 +34,55 @@ class PackedWeight:
         return quantized_linear(x, self.codes, self.scales, self.offsets, self.out_features)
 
 
-def pack_exact_low_bit(model: nn.Module) -> None:
-    """Give every Linear of the model (and a tied embedding used as the head) its packed form where its fp32
-    weights have one: `module.packed`, `model.packed_tied_head`."""
-    from serval.runner.layers import Linear
+class LowBitPacker:
+    """Packs a model's weights as the checkpoint streams in, before they are cast to the model's dtype.
 
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed = find_packed(module.weight.detach())
-    if hasattr(model, "packed_tied_head") and getattr(model, "lm_head", None) is None:
-        model.packed_tied_head = find_packed(model.embed_tokens.weight.detach())
+    `offer` each (Hugging Face name, fp32 tensor); `attach` then gives every Linear its packed form
+    (`module.packed`: q/k/v and gate/up are the row-wise concatenations of their shards' forms) and a tied
+    embedding used as the head `model.packed_tied_head`. Only fp32 values show whether a matrix is exactly
+    4/8-bit blocks, and the model is built in its compute dtype, so this happens one tensor at a time.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.found: dict[tuple[str, int | None], PackedWeight | None] = {}  # (parameter, shard) -> form
+
+    def offer(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target = self.model.weight_target(hf_name)
+        if target is not None and tensor.dim() == 2:
+            self.found[target] = find_packed(tensor)
+
+    def attach(self) -> None:
+        from serval.runner.layers import Linear
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, Linear):
+                module.packed = self._combined(f"{name}.weight")
+        if hasattr(self.model, "packed_tied_head") and getattr(self.model, "lm_head", None) is None:
+            self.model.packed_tied_head = self._combined("embed_tokens.weight")
+        self.found.clear()
+
+    def _combined(self, parameter: str) -> PackedWeight | None:
+        shards = sorted(
+            ((-1 if shard is None else shard), packed)
+            for (target, shard), packed in self.found.items()
+            if target == parameter
+        )
+        parts = [packed for _, packed in shards]
+        if not parts or any(p is None for p in parts):
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        # Fused shards stack their row groups: only whole groups of 16 rows can be put end to end.
+        if len({p.bits for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
+            return None
+        return PackedWeight(
+            bits=parts[0].bits,
+            out_features=sum(p.out_features for p in parts),
+            codes=torch.cat([p.codes for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            offsets=torch.cat([p.offsets for p in parts]),
+        )
 
 
 def find_packed(weight: torch.Tensor) -> PackedWeight | None:

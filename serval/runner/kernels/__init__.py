@@ -112,6 +112,9 @@ def compile_flags(variant: Variant) -> list[str]:
     ]
 
 
+UNBOUNDED_ROWS = 2**62
+
+
 def packed_rows_limit(kernels) -> int:
     """Up to how many rows of x a matmul with packed 4/8-bit weights runs in the quantized kernel.
 
@@ -121,7 +124,7 @@ def packed_rows_limit(kernels) -> int:
     """
     if kernels is None:
         return 0
-    return 8 if kernels.variant == "avx512" else 2**62
+    return 8 if kernels.variant == "avx512" else UNBOUNDED_ROWS
 
 
 def _build_directory_exists(name: str) -> bool:

@@ -11,7 +11,7 @@ from serval.model_source import ModelSource
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
-from serval.runner.quantization import pack_exact_low_bit
+from serval.runner.quantization import LowBitPacker
 
 WeightsReader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -57,17 +57,27 @@ def load_model(
     pack_low_bit: bool = False,
 ) -> torch.nn.Module:
     """pack_low_bit: also keep the exact 4/8-bit packed form of weights that have one (GGUF Q4_0/Q4_1/Q8_0
-    tensors), found on the fp32 weights before they are cast, for the quantized CPU kernels."""
+    tensors), found on each fp32 tensor as it streams in, for the quantized CPU kernels."""
     cls = model_class(arch.architecture)
-    # Build on the meta device so that no memory is spent on random init, then materialize.
+    # Built on the meta device (no memory spent on random init) and materialized in the compute dtype: the
+    # checkpoint streams in one tensor at a time, so loading never holds an fp32 copy of the whole model.
     with torch.device("meta"):
-        model = cls(arch, max_positions)
+        model = cls(arch, max_positions).to(dtype)
     model = model.to_empty(device="cpu")
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
-    model.load_weights((name, tensor.to(torch.float32)) for name, tensor in weights())
-    if pack_low_bit:
-        pack_exact_low_bit(model)
-    model = model.to(dtype=dtype, device=device)
+    packer = LowBitPacker(model) if pack_low_bit else None
+
+    def fp32_weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights():
+            tensor = tensor.to(torch.float32)
+            if packer is not None:
+                packer.offer(name, tensor)
+            yield name, tensor
+
+    model.load_weights(fp32_weights())
+    if packer is not None:
+        packer.attach()
+    model = model.to(device=device)
     # The RoPE table stays fp32 whatever the weights' dtype: positions beyond a few thousand lose
     # precision in bf16.
     model.rotary = model.rotary.float()

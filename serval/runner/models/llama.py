@@ -180,23 +180,30 @@ class LlamaForCausalLM(nn.Module):
             self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
         )  # fmt: skip
 
+    def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Where a checkpoint tensor goes: (our parameter's name, shard of a fused matrix or None), or None
+        for tensors that are not parameters (recomputed or redundant ones)."""
+        name = hf_name.removeprefix("model.")
+        if name == "rotary_emb.freq_factors" or "rotary_emb.inv_freq" in name:
+            return None
+        if self.lm_head is None and name == "lm_head.weight":
+            return None  # some tied checkpoints still carry a copy
+        for suffix, (fused, index) in _FUSED.items():
+            if f".{suffix}." in f".{name}":
+                return name.replace(suffix, fused), index
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if name == "rotary_emb.freq_factors":
+            if hf_name.removeprefix("model.") == "rotary_emb.freq_factors":
                 self.rotary = self._make_rotary(tensor).to(self.embed_tokens.weight.device)
                 continue
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed from the config
-            if self.lm_head is None and name == "lm_head.weight":
-                continue  # some tied checkpoints still carry a copy
-            target, shard = name, None
-            for suffix, (fused, index) in _FUSED.items():
-                if f".{suffix}." in f".{name}":
-                    target, shard = name.replace(suffix, fused), index
-                    break
+            found = self.weight_target(hf_name)
+            if found is None:
+                continue
+            target, shard = found
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
             param = params[target]
