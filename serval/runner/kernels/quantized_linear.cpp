@@ -139,6 +139,8 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
     const uint8_t* block = codes + b * kChunks * 64;
     __m256i dots[R][2];
     for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+    // Not unrolled: GCC's full unroll of the block kept all 16 products live and spilled them to the stack.
+#pragma GCC unroll 1
     for (int c = 0; c < kChunks; ++c) {
       simd::prefetch(block + c * 64 + kPrefetchBytes);
       __m256i operand[kOperands];  // 32 bytes of (row, element) pairs each: pair kOperands * c + o
