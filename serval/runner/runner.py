@@ -36,6 +36,7 @@ class RunnerInfo:
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
+    packed_weights: bool = False  # the 4/8-bit matrices run from their packed form (runner/quantization.py)
     num_threads: int = 1
 
     @property
@@ -45,7 +46,8 @@ class RunnerInfo:
     def describe(self) -> str:
         """The one start-up line that says what is being served and how."""
         return (
-            f"{self.architecture}, weights {self.weight_format}, compute dtype {self.dtype} on {self.device},"
+            f"{self.architecture}, weights {self.weight_format}{' (packed)' if self.packed_weights else ''},"
+            f" compute dtype {self.dtype} on {self.device},"
             f" CPU kernels {self.kernel_variant}, {self.num_threads} threads, KV cache {self.kv_cache_tokens}"
             f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
         )
@@ -66,17 +68,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, keeps_packed_weights: bool = False) -> torch.dtype:
-    """keeps_packed_weights: the native kernels will run the checkpoint's 4/8-bit matrices from their packed
-    form, which the runner keeps on the bf16 path only."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
-        # Without native bf16 dot products PyTorch's bf16 matmuls are slow, so fp32 is the default, except
-        # for a quantized checkpoint: its matrices stay packed (the kernels compute in fp32 from them), not
-        # widened to an fp32 copy 7x the file's size.
-        return torch.bfloat16 if keeps_packed_weights else torch.float32
+        return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packable_weights: bool) -> bool:
+    """Whether matrices with an exact 4/8-bit form (GGUF Q4_0/Q4_1/Q8_0) run packed in the native kernels.
+
+    Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
+    kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
+    take 7x it; an explicit `float32` asks for exact dense matmuls and gets them.
+    """
+    if kernels is None:
+        return False
+    return dtype == torch.bfloat16 or (dtype_name == "auto" and has_packable_weights)
 
 
 class ModelRunner:
@@ -93,14 +102,13 @@ class ModelRunner:
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.kernel_variant = "none" if kernels is None else kernels.variant
-        self.dtype = resolve_dtype(
-            model_config.dtype, self.device, kernels is not None and checkpoint.has_packable_weights
-        )
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        # The quantized kernels serve the bf16 path only: an fp32 model is asked for to stay exact.
-        use_quantized = kernels is not None and self.dtype == torch.bfloat16
+        use_quantized = keeps_packed_weights(
+            model_config.dtype, self.dtype, kernels, checkpoint.has_packable_weights
+        )
         self.model = load_model(
             self.arch,
             checkpoint.read_weights,
@@ -128,6 +136,7 @@ class ModelRunner:
             # weight (2 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_dense_weights_served_packed(self.model)
             self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
+        self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
             self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
@@ -149,6 +158,7 @@ class ModelRunner:
             max_loras=0 if self.lora_slots is None else self.lora_slots.max_loras,
             architecture=self.arch.architecture,
             weight_format="+".join(self.weight_formats),
+            packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
             num_threads=self.num_threads,
         )

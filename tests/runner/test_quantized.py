@@ -167,3 +167,33 @@ def test_decode_stack_with_packed_gguf_weights(tiny_model_factory, kernels, tmp_
     assert fp32.runner.model.layers[0].mlp.gate_up_proj.quantized_kernel is None
     exact, _ = _decode_logits_both_ways(fp32, PROMPTS)
     assert (stacked - exact).abs().max().item() < 0.05 * exact.abs().max().item()
+
+
+def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
+    tiny_model_factory, kernels, tmp_path, monkeypatch
+):
+    # A CPU without bf16 dot products (AVX2): `auto` computes in fp32 from the packed codes and frees the
+    # dense copies (the kernels serve every batch size there), instead of an fp32 model 7x the file's size.
+    if kernels.variant == "avx512":
+        pytest.skip("avx512 keeps dense bf16 copies for batches past 8 rows (oneDNN)")
+    monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
+    monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
+    _, reference = tiny_model_factory("llama", True)
+    path = str(tmp_path / "q4_1.gguf")
+    write_gguf_from_state_dict(
+        path, reference.config.to_dict(), reference.state_dict(), qtype_for_matrices=GGMLQuantizationType.Q4_1
+    )
+    auto = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=32)))
+    info = auto.runner.info
+    assert info.dtype == "float32" and info.packed_weights and info.kernel_variant == kernels.variant
+    gate_up = auto.runner.model.layers[0].mlp.gate_up_proj
+    assert gate_up.packed is not None and gate_up.weight.stride() == (0, 0)  # the dense copy was freed
+    exact = Engine(
+        EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(num_blocks=32))
+    )
+    assert not exact.runner.info.packed_weights
+    packed_logits, layered = _decode_logits_both_ways(auto, PROMPTS)
+    assert torch.equal(packed_logits, layered)
+    exact_logits, _ = _decode_logits_both_ways(exact, PROMPTS)
+    # Only the int16 rounding of the decode's activations differs from the exact fp32 matmuls.
+    assert (packed_logits - exact_logits).abs().max().item() < 1e-3 * exact_logits.abs().max().item()
