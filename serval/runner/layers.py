@@ -191,10 +191,10 @@ def release_dense_weights_served_packed(model: nn.Module) -> int:
     kernels' packed_rows_limit is unbounded, and no LoRA slots read them): the packed codes are then the
     only copy, at the file's size. Returns the bytes freed.
 
-    The weight becomes a zero-strided view of one element with the matrix's shape and dtype, which the
-    native DecodeStack reads the shape from; nothing computes with it.
+    The weight becomes a placeholder (runner/quantization.py: dense_placeholder).
     """
     from serval.runner.kernels import UNBOUNDED_ROWS
+    from serval.runner.quantization import dense_placeholder, is_placeholder
 
     freed = 0
     for module in model.modules():
@@ -203,12 +203,10 @@ def release_dense_weights_served_packed(model: nn.Module) -> int:
             and module.quantized_kernel is not None
             and module.max_quantized_rows >= UNBOUNDED_ROWS
             and module.lora_target is None
-            and module.weight.stride() != (0, 0)
+            and not is_placeholder(module.weight)
         ):
-            weight = module.weight
-            freed += weight.numel() * weight.element_size()
-            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-            module.weight = nn.Parameter(placeholder, requires_grad=False)
+            freed += module.weight.numel() * module.weight.element_size()
+            module.weight = dense_placeholder(module.weight)
     return freed
 
 

@@ -43,14 +43,34 @@ class LowBitPacker:
     4/8-bit blocks, and the model is built in its compute dtype, so this happens one tensor at a time.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, release_dense: bool = False):
+        """release_dense: free a matrix's dense copy as soon as all its shards are loaded and packed (the
+        packed kernels serve every batch size): the load never holds a dense copy of a quantized file."""
         self.model = model
+        self.release_dense = release_dense
         self.found: dict[tuple[str, int | None], PackedWeight | None] = {}  # (parameter, shard) -> form
+        self.pending: set[str] = set()  # parameters offered and not yet released
 
     def offer(self, hf_name: str, tensor: torch.Tensor) -> None:
         target = self.model.weight_target(hf_name)
         if target is not None and tensor.dim() == 2:
             self.found[target] = find_packed(tensor)
+            self.pending.add(target[0])
+
+    def release_completed(self) -> None:
+        """Give every parameter whose shards have all been loaded, and packed, a placeholder for its dense
+        weight (call once the loader has copied the tensors offered so far)."""
+        if not self.release_dense:
+            return
+        for parameter in list(self.pending):
+            shards = [key for key in self.found if key[0] == parameter]
+            if len(shards) < self.model.num_shards(parameter):
+                continue
+            self.pending.discard(parameter)
+            if parameter != "embed_tokens.weight" and self._combined(parameter) is not None:
+                module_name, attribute = parameter.rsplit(".", 1)
+                module = self.model.get_submodule(module_name)
+                setattr(module, attribute, dense_placeholder(getattr(module, attribute)))
 
     def attach(self) -> None:
         from serval.runner.layers import Linear
@@ -83,6 +103,17 @@ class LowBitPacker:
             scales=torch.cat([p.scales for p in parts]),
             offsets=torch.cat([p.offsets for p in parts]),
         )
+
+
+def dense_placeholder(weight: torch.Tensor) -> nn.Parameter:
+    """A stand-in for a dense weight whose packed form is used instead: the matrix's shape and dtype (which
+    the native DecodeStack reads) over a single element; nothing computes with it."""
+    placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return nn.Parameter(placeholder, requires_grad=False)
+
+
+def is_placeholder(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride() == (0, 0)
 
 
 def find_packed(weight: torch.Tensor) -> PackedWeight | None:

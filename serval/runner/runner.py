@@ -15,7 +15,7 @@ from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
-from serval.runner.kernels import load_cpu_kernels, packed_rows_limit
+from serval.runner.kernels import UNBOUNDED_ROWS, load_cpu_kernels, packed_rows_limit
 from serval.runner.layers import release_dense_weights_served_packed, use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
@@ -116,6 +116,7 @@ class ModelRunner:
             self.device,
             self.max_model_len,
             pack_low_bit=use_quantized,
+            release_packed_dense=use_quantized and packed_rows_limit(kernels) >= UNBOUNDED_ROWS,
         )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from serval.model_source import ModelSource
+from serval.runner.layers import Linear
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
@@ -55,24 +56,32 @@ def load_model(
     device: torch.device,
     max_positions: int,
     pack_low_bit: bool = False,
+    release_packed_dense: bool = False,
 ) -> torch.nn.Module:
     """pack_low_bit: also keep the exact 4/8-bit packed form of weights that have one (GGUF Q4_0/Q4_1/Q8_0
-    tensors), found on each fp32 tensor as it streams in, for the quantized CPU kernels."""
+    tensors), found on each fp32 tensor as it streams in, for the quantized CPU kernels.
+    release_packed_dense: the packed kernels serve every batch size, so a packed matrix's dense copy is
+    freed as soon as the matrix is complete."""
     cls = model_class(arch.architecture)
-    # Built on the meta device (no memory spent on random init) and materialized in the compute dtype: the
-    # checkpoint streams in one tensor at a time, so loading never holds an fp32 copy of the whole model.
+    # Built on the meta device (no memory spent on random init) and materialized in the compute dtype, the
+    # matrices each when their first tensor arrives (load_weights): the checkpoint streams in one tensor at
+    # a time, so the load's peak is the model's own size (plus one matrix where dense copies are released),
+    # never an fp32 copy of the whole model.
     with torch.device("meta"):
         model = cls(arch, max_positions).to(dtype)
-    model = model.to_empty(device="cpu")
+    _materialize_all_but_matrices(model)
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
-    packer = LowBitPacker(model) if pack_low_bit else None
+    packer = LowBitPacker(model, release_packed_dense) if pack_low_bit else None
 
     def fp32_weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights():
             tensor = tensor.to(torch.float32)
             if packer is not None:
+                packer.release_completed()  # the tensors yielded before this one are copied by now
                 packer.offer(name, tensor)
             yield name, tensor
+        if packer is not None:
+            packer.release_completed()
 
     model.load_weights(fp32_weights())
     if packer is not None:
@@ -82,3 +91,18 @@ def load_model(
     # precision in bf16.
     model.rotary = model.rotary.float()
     return model.eval()
+
+
+def _materialize_all_but_matrices(model: torch.nn.Module) -> None:
+    """Allocate (uninitialized) every parameter and buffer except the Linear layers' weights."""
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            module.to_empty(device="cpu", recurse=False)
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if name != "weight":
+                setattr(
+                    module,
+                    name,
+                    torch.nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad),
+                )

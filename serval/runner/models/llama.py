@@ -193,8 +193,22 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(suffix, fused), index
         return name, None
 
+    def num_shards(self, parameter: str) -> int:
+        """How many checkpoint tensors make up one of our parameters (q/k/v and gate/up are fused)."""
+        shards = [index for fused, index in _FUSED.values() if parameter.endswith(f"{fused}.weight")]
+        return max(shards) + 1 if shards else 1
+
+    def _materialized(self, target: str, param: torch.Tensor) -> torch.Tensor:
+        # Matrices are left on the meta device by the loader until their first tensor arrives.
+        module_name, attribute = target.rsplit(".", 1)
+        real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=param.requires_grad)
+        setattr(self.get_submodule(module_name), attribute, real)
+        return real
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        # Names only: a parameter is looked up when its tensor arrives, since the loader may swap a finished
+        # matrix for a placeholder meanwhile (a dict of the parameters would keep every dense copy alive).
+        params = {name for name, _ in self.named_parameters()}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if hf_name.removeprefix("model.") == "rotary_emb.freq_factors":
@@ -206,7 +220,9 @@ class LlamaForCausalLM(nn.Module):
             target, shard = found
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
-            param = params[target]
+            param = self.get_parameter(target)
+            if param.is_meta:
+                param = self._materialized(target, param)
             with torch.no_grad():
                 if shard is None:
                     _copy_checked(param, tensor, hf_name)
