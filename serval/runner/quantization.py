@@ -33,6 +33,21 @@ class PackedWeight:
         """quantized_linear: the native kernel (kernels.quantized_linear)."""
         return quantized_linear(x, self.codes, self.scales, self.offsets, self.out_features)
 
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, K) fp32
+        """Rows of the matrix, dequantized exactly (an embedding lookup from the packed form)."""
+        group, row = indices // GROUP, indices % GROUP
+        codes = self.codes[group]  # (T, K/32, chunks, 64): byte (half h, row r, element e) of each chunk
+        picked = codes.view(*codes.shape[:3], 2, GROUP, 2)[torch.arange(len(indices)), :, :, :, row]
+        if self.bits == 4:  # (T, B, c, h, e) -> weight 8c + 4 nibble + 2h + e
+            q = torch.stack([picked & 0x0F, picked >> 4], dim=3).reshape(*picked.shape[:2], BLOCK)
+        else:  # (T, B, c, h, e) -> weight 4c + 2h + e
+            q = picked.reshape(*picked.shape[:2], BLOCK)
+        d = self.scales[group, :, row].float().unsqueeze(-1)  # (T, B, 1)
+        w = q.float() * d
+        if self.bits == 4:
+            w = w + self.offsets[group, :, row].float().unsqueeze(-1)
+        return w.reshape(len(indices), -1)
+
 
 class LowBitPacker:
     """Packs a model's weights as the checkpoint streams in, before they are cast to the model's dtype.
@@ -67,7 +82,8 @@ class LowBitPacker:
             if len(shards) < self.model.num_shards(parameter):
                 continue
             self.pending.discard(parameter)
-            if parameter != "embed_tokens.weight" and self._combined(parameter) is not None:
+            looks_up_packed = parameter != "embed_tokens.weight" or hasattr(self.model, "packed_embedding")
+            if looks_up_packed and self._combined(parameter) is not None:
                 module_name, attribute = parameter.rsplit(".", 1)
                 module = self.model.get_submodule(module_name)
                 setattr(module, attribute, dense_placeholder(getattr(module, attribute)))
@@ -78,8 +94,12 @@ class LowBitPacker:
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
                 module.packed = self._combined(f"{name}.weight")
+        embedding = self._combined("embed_tokens.weight")
         if hasattr(self.model, "packed_tied_head") and getattr(self.model, "lm_head", None) is None:
-            self.model.packed_tied_head = self._combined("embed_tokens.weight")
+            self.model.packed_tied_head = embedding
+        if self.release_dense and hasattr(self.model, "packed_embedding"):
+            # Its dense copy was released: look-ups dequantize rows of the packed form.
+            self.model.packed_embedding = embedding
         self.found.clear()
 
     def _combined(self, parameter: str) -> PackedWeight | None:

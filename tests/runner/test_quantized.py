@@ -55,6 +55,16 @@ def test_gguf_blocks_are_recovered_exactly(qtype, rows):
     assert torch.equal(_unpack(packed), weight)
 
 
+@pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
+def test_rows_of_the_packed_form_are_the_matrix_rows(qtype):
+    # An embedding look-up from the packed codes: the exact fp32 rows, in any order, repeated, from the
+    # padded last group too.
+    weight = _gguf_matrix(qtype, 40, 96, seed=3)
+    packed = find_packed(weight)
+    indices = torch.tensor([0, 39, 17, 16, 15, 17, 33])
+    assert torch.equal(packed.rows(indices), weight[indices])
+
+
 def test_weights_without_an_exact_form_are_left_alone():
     torch.manual_seed(0)
     assert find_packed(torch.randn(32, 64)) is None
@@ -186,8 +196,12 @@ def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
     auto = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=32)))
     info = auto.runner.info
     assert info.dtype == "float32" and info.packed_weights and info.kernel_variant == kernels.variant
-    gate_up = auto.runner.model.layers[0].mlp.gate_up_proj
+    model = auto.runner.model
+    gate_up = model.layers[0].mlp.gate_up_proj
     assert gate_up.packed is not None and gate_up.weight.stride() == (0, 0)  # the dense copy was freed
+    # The tied embedding too: look-ups read its packed rows, the head its packed matmul.
+    assert model.embed_tokens.weight.stride() == (0, 0)
+    assert model.packed_embedding is model.packed_tied_head is not None
     exact = Engine(
         EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(num_blocks=32))
     )

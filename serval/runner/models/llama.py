@@ -102,6 +102,9 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_kernel = None  # set with the Linear kernels by the runner
         # The tied head's exact packed form (runner/quantization.py) and its kernel, when it has one.
         self.packed_tied_head = None
+        # The embedding's packed form when its dense copy was released (runner/quantization.py): look-ups
+        # dequantize the rows they need.
+        self.packed_embedding = None
         self.tied_head_quantized_kernel = None
         self.tied_head_max_quantized_rows = 0
         # kernels.DecodeStack over every layer, set by the runner with the native kernels (make_decode_stack):
@@ -122,7 +125,10 @@ class LlamaForCausalLM(nn.Module):
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
         lora: LoraBatch | None = None,  # which tokens use which adapter; None: the base model for all
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
-        x = self.embed_tokens(input_ids).float()  # (num_tokens, hidden_size), the fp32 residual stream
+        if self.packed_embedding is not None:
+            x = self.packed_embedding.rows(input_ids)  # (num_tokens, hidden_size), the fp32 residual stream
+        else:
+            x = self.embed_tokens(input_ids).float()
         rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
         if self.decode_stack is not None and meta.is_decode_only and lora is None:
             self.decode_stack.forward(
