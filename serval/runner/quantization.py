@@ -58,18 +58,22 @@ class LowBitPacker:
     4/8-bit blocks, and the model is built in its compute dtype, so this happens one tensor at a time.
     """
 
-    def __init__(self, model: nn.Module, release_dense: bool = False):
+    def __init__(self, model: nn.Module, release_dense: bool = False, from_file: dict | None = None):
         """release_dense: free a matrix's dense copy as soon as all its shards are loaded and packed (the
-        packed kernels serve every batch size): the load never holds a dense copy of a quantized file."""
+        packed kernels serve every batch size): the load never holds a dense copy of a quantized file.
+        from_file: packed forms the reader built from the file's blocks, by Hugging Face name (filled as
+        the checkpoint streams): used as they are, instead of recognizing them in the fp32 values."""
         self.model = model
         self.release_dense = release_dense
+        self.from_file = {} if from_file is None else from_file
         self.found: dict[tuple[str, int | None], PackedWeight | None] = {}  # (parameter, shard) -> form
         self.pending: set[str] = set()  # parameters offered and not yet released
 
     def offer(self, hf_name: str, tensor: torch.Tensor) -> None:
         target = self.model.weight_target(hf_name)
+        known = self.from_file.pop(hf_name, None)
         if target is not None and tensor.dim() == 2:
-            self.found[target] = find_packed(tensor)
+            self.found[target] = known if known is not None else find_packed(tensor)
             self.pending.add(target[0])
 
     def release_completed(self) -> None:
@@ -123,6 +127,13 @@ class LowBitPacker:
             scales=torch.cat([p.scales for p in parts]),
             offsets=torch.cat([p.offsets for p in parts]),
         )
+
+
+def pack_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> PackedWeight:
+    """The packed form of known codes (rows, K/32, 32): 4-bit uint8 with offsets `low`, or int8 (low None)."""
+    if low is None:
+        return _pack_eight_bit(codes, scale, codes.shape[0])
+    return _pack_four_bit(codes, scale, low, codes.shape[0])
 
 
 def dense_placeholder(weight: torch.Tensor) -> nn.Parameter:

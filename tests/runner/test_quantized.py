@@ -65,6 +65,21 @@ def test_rows_of_the_packed_form_are_the_matrix_rows(qtype):
     assert torch.equal(packed.rows(indices), weight[indices])
 
 
+@pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
+def test_packing_from_the_file_bytes_equals_recognizing_the_dequantized_values(qtype):
+    from serval.runner.loader.dequant import block_codes
+    from serval.runner.quantization import pack_codes
+
+    rng = np.random.default_rng(5)
+    array = (rng.standard_normal((40, 96)) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(array, qtype)
+    from_bytes = pack_codes(*block_codes(raw, qtype, (40, 96)))
+    recognized = find_packed(torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)))
+    assert from_bytes.bits == recognized.bits == BITS[qtype]
+    for field in ("codes", "scales", "offsets"):
+        assert torch.equal(getattr(from_bytes, field), getattr(recognized, field)), field
+
+
 def test_weights_without_an_exact_form_are_left_alone():
     torch.manual_seed(0)
     assert find_packed(torch.randn(32, 64)) is None

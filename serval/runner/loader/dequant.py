@@ -160,6 +160,33 @@ def is_supported(qtype: GGMLQuantizationType) -> bool:
     return qtype in _FLOAT_DTYPES or qtype in _BLOCK_DECODERS
 
 
+# Types whose blocks are d * q + m with q a 4-bit or 8-bit code: the quantized kernels' packed forms.
+BLOCK_CODE_TYPES = frozenset(
+    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+)
+
+
+def block_codes(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The codes of a Q4_0/Q4_1/Q8_0 matrix straight from its bytes, no float decode: (codes (rows, K/32, 32)
+    uint8 0..15 or int8, scale d (rows, K/32) fp16, offset m (rows, K/32) fp32 or None for 8-bit), with
+    w = d * q + m exactly what `dequantize` gives (Q4_0's m is -8d)."""
+    qtype = GGMLQuantizationType(qtype)
+    rows, cols = shape
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8).copy()).reshape(
+        -1, type_size
+    )
+    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, cols // 32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, cols // 32, 32), d, None
+    if qtype == GGMLQuantizationType.Q4_0:
+        return _nibbles(blocks[:, 2:]).reshape(rows, cols // 32, 32), d, -8 * d.float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, cols // 32).float()
+    return _nibbles(blocks[:, 4:]).reshape(rows, cols // 32, 32), d, m
+
+
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """Decode one tensor's GGUF data to a float32 tensor of `shape` (torch order: GGUF's ne reversed).
 

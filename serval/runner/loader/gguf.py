@@ -20,11 +20,14 @@ from gguf import GGUFReader
 from tqdm import tqdm
 
 from serval.runner.loader.dequant import (
+    BLOCK_CODE_TYPES,
     SUPPORTED_TYPES,
     UnsupportedQuantizationError,
+    block_codes,
     dequantize,
     is_supported,
 )
+from serval.runner.quantization import PackedWeight, pack_codes
 
 # general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
 _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
@@ -226,10 +229,14 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    path: str, reader: GGUFReader | None = None, packed_forms: dict[str, PackedWeight] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
 
     Pass the reader when the caller already opened the file: parsing the metadata takes seconds.
+    packed_forms: also put there, before yielding it, the packed 4/8-bit form (runner/quantization.py) of
+    each Q4_0/Q4_1/Q8_0 matrix, built from its bytes.
     """
     reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
@@ -253,6 +260,13 @@ def iter_gguf_weights(path: str, reader: GGUFReader | None = None) -> Iterator[t
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         weight = dequantize(tensor.data, tensor.tensor_type, shape)
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
-        if is_permuted and part in heads_of:
+        permuted = is_permuted and part in heads_of
+        if permuted:
             weight = _unpermute_rows(weight, heads_of[part])
+        if packed_forms is not None and tensor.tensor_type in BLOCK_CODE_TYPES and len(shape) == 2:
+            codes, scale, low = block_codes(tensor.data, tensor.tensor_type, shape)
+            if permuted:
+                codes, scale = _unpermute_rows(codes, heads_of[part]), _unpermute_rows(scale, heads_of[part])
+                low = None if low is None else _unpermute_rows(low, heads_of[part])
+            packed_forms[name] = pack_codes(codes, scale, low)
         yield name, weight

@@ -14,7 +14,9 @@ from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
 from serval.runner.quantization import LowBitPacker
 
-WeightsReader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Streams the weights with Hugging Face names; given a dict, a reader that can also fills it with the packed
+# 4/8-bit forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor.
+WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
 # GGUF tensor types whose weights the quantized kernels run from their packed form (runner/quantization.py).
@@ -44,9 +46,17 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
 
         reader = open_gguf(source.path)
         arch = ArchConfig.from_hf_config(config_from_reader(reader))
-        return Checkpoint(arch, lambda: iter_gguf_weights(source.path, reader), weight_formats(reader))
+        return Checkpoint(
+            arch,
+            lambda packed_forms=None: iter_gguf_weights(source.path, reader, packed_forms),
+            weight_formats(reader),
+        )
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
-    return Checkpoint(arch, lambda: iter_safetensors_weights(source.path), safetensors_formats(source.path))
+    return Checkpoint(
+        arch,
+        lambda packed_forms=None: iter_safetensors_weights(source.path),
+        safetensors_formats(source.path),
+    )
 
 
 def load_model(
@@ -71,10 +81,11 @@ def load_model(
         model = cls(arch, max_positions).to(dtype)
     _materialize_all_but_matrices(model)
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
-    packer = LowBitPacker(model, release_packed_dense) if pack_low_bit else None
+    from_file: dict | None = {} if pack_low_bit else None
+    packer = LowBitPacker(model, release_packed_dense, from_file) if pack_low_bit else None
 
     def fp32_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights():
+        for name, tensor in weights(from_file):
             tensor = tensor.to(torch.float32)
             if packer is not None:
                 packer.release_completed()  # the tensors yielded before this one are copied by now
