@@ -1,10 +1,12 @@
-// y = x @ W.T for up to a few dozen rows of x, W in 4-bit or 8-bit blocks of 32 weights along K with an fp16
-// scale per block (and, 4-bit, an fp16 min): the exact weights of GGUF's Q4_0/Q4_1/Q8_0 files, read at
-// 0.625 or 1.0625 bytes a weight against bf16's 2. Batch-1 decode reads every weight once per token, so bytes
-// are its cost; at larger batches the 8-bit dot products of the VNNI units (64 per instruction) are.
+// y = x @ W.T, W in 4-bit or 8-bit blocks of 32 weights along K with an fp16 scale per block (and, 4-bit, an
+// fp16 min): the exact weights of GGUF's Q4_0/Q4_1/Q8_0 files, read at 0.625 or 1.0625 bytes a weight against
+// bf16's 2. Up to 8 rows of x (decode) go through the integer dot products here: VPDPWSSD on AVX-512-VNNI,
+// VPMADDWD plus adds on AVX2, plain loops in the portable build; batch-1 decode reads every weight once per
+// token, so bytes and these instructions are its cost. More rows go through quantized_tiles.cpp.
 //
 // Weights come packed by serval/runner/quantization.py in groups of 16 output rows, so one 512-bit register
-// holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once:
+// holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once (on
+// AVX2, two 256-bit registers of 8 rows each):
 //   codes  4-bit: (N/16, K/32, 4, 64) uint8: chunk c unpacks (low nibbles, then high ones; each 32-byte half
 //          widened to int16) into the operands of weight pairs 4c, 4c+1, 4c+2, 4c+3 of the block;
 //          8-bit: (N/16, K/32, 8, 64) int8: chunk c widens into the operands of pairs 2c and 2c+1;
