@@ -133,8 +133,8 @@ class ModelRunner:
             if getattr(self.model, "packed_tied_head", None) is not None:
                 self.model.tied_head_quantized_kernel = kernels.quantized_linear
                 self.model.tied_head_max_quantized_rows = packed_rows_limit(kernels)
-            # Where the packed kernels serve every batch size, the bf16 copies of packed matrices are dead
-            # weight (2 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
+            # Where the packed kernels serve every batch size, the dense copies of packed matrices are dead
+            # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_dense_weights_served_packed(self.model)
             self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
