@@ -41,13 +41,14 @@ def build_variants(runner) -> tuple[dict[str, tuple], dict]:
     """({variant: (decode stack or None, packed weights on)}, {module: its quantized kernel})."""
     from serval.runner.kernels import load_cpu_kernels
     from serval.runner.layers import Linear
+    from serval.runner.quantization import is_placeholder
 
     model = runner.model
     packed = {m: m.quantized_kernel for m in model.modules() if isinstance(m, Linear) and m.quantized_kernel}
     if getattr(model, "tied_head_quantized_kernel", None) is not None:
         packed[model] = model.tied_head_quantized_kernel
     full_stack = model.decode_stack
-    if any(m.weight.stride() == (0, 0) for m in packed if isinstance(m, Linear)):
+    if any(is_placeholder(m.weight) for m in packed if isinstance(m, Linear)):
         # The packed kernels serve every batch size here, so the dense copies were freed at load: there is
         # nothing to compare the packed path with.
         return {"stack+packed": (full_stack, True)}, packed

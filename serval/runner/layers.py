@@ -186,30 +186,6 @@ def use_native_kernels(model: nn.Module, kernels) -> None:
             module.native_kernel = None if kernels is None else kernels.rotary_embedding_
 
 
-def release_dense_weights_served_packed(model: nn.Module) -> int:
-    """Free the dense weights of the Linear layers whose packed form serves every row count (the native
-    kernels' packed_rows_limit is unbounded, and no LoRA slots read them): the packed codes are then the
-    only copy, at the file's size. Returns the bytes freed.
-
-    The weight becomes a placeholder (runner/quantization.py: dense_placeholder).
-    """
-    from serval.runner.kernels import UNBOUNDED_ROWS
-    from serval.runner.quantization import dense_placeholder, is_placeholder
-
-    freed = 0
-    for module in model.modules():
-        if (
-            isinstance(module, Linear)
-            and module.quantized_kernel is not None
-            and module.max_quantized_rows >= UNBOUNDED_ROWS
-            and module.lora_target is None
-            and not is_placeholder(module.weight)
-        ):
-            freed += module.weight.numel() * module.weight.element_size()
-            module.weight = dense_placeholder(module.weight)
-    return freed
-
-
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 

@@ -66,67 +66,67 @@ class LowBitPacker:
         self.model = model
         self.release_dense = release_dense
         self.from_file = {} if from_file is None else from_file
-        self.found: dict[tuple[str, int | None], PackedWeight | None] = {}  # (parameter, shard) -> form
-        self.pending: set[str] = set()  # parameters offered and not yet released
+        self.shards: dict[
+            str, dict[int, PackedWeight | None]
+        ] = {}  # parameter -> shard -> form, until complete
+        self.complete: dict[str, PackedWeight | None] = {}  # parameter -> its (concatenated) form, or None
+        self.releasable: list[str] = []  # complete and packed, dense copy not yet released
 
     def offer(self, hf_name: str, tensor: torch.Tensor) -> None:
         target = self.model.weight_target(hf_name)
         known = self.from_file.pop(hf_name, None)
-        if target is not None and tensor.dim() == 2:
-            self.found[target] = known if known is not None else find_packed(tensor)
-            self.pending.add(target[0])
+        if target is None or tensor.dim() != 2:
+            return
+        parameter, shard = target
+        shards = self.shards.setdefault(parameter, {})
+        shards[shard or 0] = known if known is not None else find_packed(tensor)
+        if len(shards) == self.model.num_shards(parameter):
+            packed = self.complete[parameter] = _concatenated([shards[i] for i in sorted(shards)])
+            del self.shards[parameter]
+            looks_up_packed = parameter != "embed_tokens.weight" or hasattr(self.model, "packed_embedding")
+            if self.release_dense and looks_up_packed and packed is not None:
+                self.releasable.append(parameter)
 
     def release_completed(self) -> None:
         """Give every parameter whose shards have all been loaded, and packed, a placeholder for its dense
         weight (call once the loader has copied the tensors offered so far)."""
-        if not self.release_dense:
-            return
-        for parameter in list(self.pending):
-            shards = [key for key in self.found if key[0] == parameter]
-            if len(shards) < self.model.num_shards(parameter):
-                continue
-            self.pending.discard(parameter)
-            looks_up_packed = parameter != "embed_tokens.weight" or hasattr(self.model, "packed_embedding")
-            if looks_up_packed and self._combined(parameter) is not None:
-                module_name, attribute = parameter.rsplit(".", 1)
-                module = self.model.get_submodule(module_name)
-                setattr(module, attribute, dense_placeholder(getattr(module, attribute)))
+        for parameter in self.releasable:
+            module_name, attribute = parameter.rsplit(".", 1)
+            module = self.model.get_submodule(module_name)
+            setattr(module, attribute, dense_placeholder(getattr(module, attribute)))
+        self.releasable.clear()
 
     def attach(self) -> None:
         from serval.runner.layers import Linear
 
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
-                module.packed = self._combined(f"{name}.weight")
-        embedding = self._combined("embed_tokens.weight")
+                module.packed = self.complete.get(f"{name}.weight")
+        embedding = self.complete.get("embed_tokens.weight")
         if hasattr(self.model, "packed_tied_head") and getattr(self.model, "lm_head", None) is None:
             self.model.packed_tied_head = embedding
         if self.release_dense and hasattr(self.model, "packed_embedding"):
             # Its dense copy was released: look-ups dequantize rows of the packed form.
             self.model.packed_embedding = embedding
-        self.found.clear()
+        self.complete.clear()
 
-    def _combined(self, parameter: str) -> PackedWeight | None:
-        shards = sorted(
-            ((-1 if shard is None else shard), packed)
-            for (target, shard), packed in self.found.items()
-            if target == parameter
-        )
-        parts = [packed for _, packed in shards]
-        if not parts or any(p is None for p in parts):
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        # Fused shards stack their row groups: only whole groups of 16 rows can be put end to end.
-        if len({p.bits for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
-            return None
-        return PackedWeight(
-            bits=parts[0].bits,
-            out_features=sum(p.out_features for p in parts),
-            codes=torch.cat([p.codes for p in parts]),
-            scales=torch.cat([p.scales for p in parts]),
-            offsets=torch.cat([p.offsets for p in parts]),
-        )
+
+def _concatenated(parts: list[PackedWeight | None]) -> PackedWeight | None:
+    """The packed form of a matrix fused from shards (in row order), or None if a shard has none."""
+    if any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    # Fused shards stack their row groups: only whole groups of 16 rows can be put end to end.
+    if len({p.bits for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
+        return None
+    return PackedWeight(
+        bits=parts[0].bits,
+        out_features=sum(p.out_features for p in parts),
+        codes=torch.cat([p.codes for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=torch.cat([p.offsets for p in parts]),
+    )
 
 
 def pack_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> PackedWeight:

@@ -16,7 +16,7 @@ from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import UNBOUNDED_ROWS, load_cpu_kernels, packed_rows_limit
-from serval.runner.layers import release_dense_weights_served_packed, use_native_kernels
+from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.sampler import Sampler
@@ -116,6 +116,8 @@ class ModelRunner:
             self.device,
             self.max_model_len,
             pack_low_bit=use_quantized,
+            # Where the packed kernels serve every batch size, the dense copies of packed matrices are dead
+            # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_packed_dense=use_quantized and packed_rows_limit(kernels) >= UNBOUNDED_ROWS,
         )
         self.block_size = cache_config.block_size
@@ -133,9 +135,6 @@ class ModelRunner:
             if getattr(self.model, "packed_tied_head", None) is not None:
                 self.model.tied_head_quantized_kernel = kernels.quantized_linear
                 self.model.tied_head_max_quantized_rows = packed_rows_limit(kernels)
-            # Where the packed kernels serve every batch size, the dense copies of packed matrices are dead
-            # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
-            release_dense_weights_served_packed(self.model)
             self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         self.lora_slots = None

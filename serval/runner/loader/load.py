@@ -9,6 +9,7 @@ import torch
 
 from serval.model_source import ModelSource
 from serval.runner.layers import Linear
+from serval.runner.loader.dequant import BLOCK_CODE_TYPES
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
@@ -20,7 +21,7 @@ WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
 # GGUF tensor types whose weights the quantized kernels run from their packed form (runner/quantization.py).
-PACKABLE_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+PACKABLE_GGUF_TYPES = frozenset(t.name for t in BLOCK_CODE_TYPES)
 
 
 @dataclass(frozen=True)
