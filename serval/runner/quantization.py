@@ -1,11 +1,12 @@
 """Exact low-bit forms of weight matrices, packed for the native quantized matmul (kernels/quantized_linear.cpp).
 
-A GGUF file's Q4_0, Q4_1 and Q8_0 tensors dequantize to blocks of 32 weights of the form d * q + m (4-bit)
-or d * q (8-bit) with fp16 d and m. `find_packed` recognizes such a matrix from its dequantized fp32 values,
-recovers its codes and scales exactly (it checks the round trip), and packs them in the kernel's layout;
-`LowBitPacker` does it for each tensor of a checkpoint as it streams in.
-Nothing is approximated here: a matrix that is not exactly of one of these forms (bf16 or fp32
-checkpoints, other GGUF types) gets None and stays on the bf16/fp32 path.
+Every GGUF block format serval packs (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a code q per weight
+and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w = d q + m. The loader reads
+codes and scales straight from a file's bytes (`BlockCodes`, loader/dequant.py) and `pack_block_codes` puts
+them in the kernel's layout (kernels/quantized.h). Other checkpoints go through `find_packed`, which
+recognizes a Q4_0/Q4_1/Q8_0-shaped matrix from its fp32 values, recovering its codes exactly (it checks the
+round trip). `LowBitPacker` does this for each tensor of a checkpoint as it streams in. Nothing is
+approximated: a matrix without an exact form gets None and stays on the bf16/fp32 path.
 """
 
 from __future__ import annotations
@@ -17,35 +18,81 @@ from torch import nn
 
 BLOCK = 32  # weights per block along the input dimension
 GROUP = 16  # output rows per packed group (one 512-bit register of row sums)
+SUPER_BLOCK = 256  # weights per k-quant super-block
+_NONE = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """A matrix's codes and scales as a GGUF file stores them (loader/dequant.py reads them from its bytes),
+    one row per output feature, before packing: w = d q + m per row and scale block."""
+
+    bits: int  # 4: codes uint8 0..15; 8: codes int8
+    codes: torch.Tensor  # (N, K/32, 32)
+    scales: torch.Tensor  # (N, K/S): fp16 d, or with super_scales the 8-bit sub-block scales
+    offsets: torch.Tensor | None = None  # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none
+    super_scales: torch.Tensor | None = None  # (N, K/256, 2) fp16: D and -Dmin of each super-block
+
+    def map_rows(self, f) -> BlockCodes:
+        """The same with f applied to every tensor's rows (dim 0): f(t) -> t'."""
+        return BlockCodes(
+            self.bits,
+            f(self.codes),
+            f(self.scales),
+            None if self.offsets is None else f(self.offsets),
+            None if self.super_scales is None else f(self.super_scales),
+        )
 
 
 @dataclass
 class PackedWeight:
-    """A (out_features, in_features) matrix in the kernel's layout (see quantized_linear.cpp)."""
+    """A (out_features, in_features) matrix in one of the kernel's layouts (kernels/quantized.h): w = d q + m
+    per row and scale block, d and m as the file stores them."""
 
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8: the codes' width
     out_features: int
     codes: torch.Tensor  # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8
-    scales: torch.Tensor  # (N/16, K/32, 16) fp16
-    offsets: torch.Tensor  # (N/16, K/32, 16) fp16: 4-bit the mins; 8-bit zeros (never read)
+    # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales
+    scales: torch.Tensor
+    # (N/16, K/32, 16): fp16 m, or with super_scales the uint8 sub-block mins; empty: no offset (w = d q)
+    offsets: torch.Tensor = _NONE
+    # (N/16, K/256, 2, 16) fp16: each super-block's D and -Dmin (k-quants: d = D sc, m = -Dmin mn); empty: none
+    super_scales: torch.Tensor = _NONE
 
     def matmul(self, quantized_linear, x: torch.Tensor) -> torch.Tensor:  # x (M, K) -> (M, N), x's dtype
         """quantized_linear: the native kernel (kernels.quantized_linear)."""
-        return quantized_linear(x, self.codes, self.scales, self.offsets, self.out_features)
+        return quantized_linear(x, self.codes, self.scales, self.offsets, self.super_scales, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.super_scales))
+
+    def layout_key(self) -> tuple:
+        """What must agree for two packed matrices to be stacked row-wise into one."""
+        return (self.bits, self.scales.dtype, self.scales.shape[1:], self.offsets.shape[1:], self.super_scales.shape[1:])
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, K) fp32
         """Rows of the matrix, dequantized exactly (an embedding lookup from the packed form)."""
         group, row = indices // GROUP, indices % GROUP
+        taken = torch.arange(len(indices))
         codes = self.codes[group]  # (T, K/32, chunks, 64): byte (half h, row r, element e) of each chunk
-        picked = codes.view(*codes.shape[:3], 2, GROUP, 2)[torch.arange(len(indices)), :, :, :, row]
+        picked = codes.view(*codes.shape[:3], 2, GROUP, 2)[taken, :, :, :, row]
         if self.bits == 4:  # (T, B, c, h, e) -> weight 8c + 4 nibble + 2h + e
             q = torch.stack([picked & 0x0F, picked >> 4], dim=3).reshape(*picked.shape[:2], BLOCK)
         else:  # (T, B, c, h, e) -> weight 4c + 2h + e
             q = picked.reshape(*picked.shape[:2], BLOCK)
-        d = self.scales[group, :, row].float().unsqueeze(-1)  # (T, B, 1)
-        w = q.float() * d
-        if self.bits == 4:
-            w = w + self.offsets[group, :, row].float().unsqueeze(-1)
+        in_features = q.shape[1] * BLOCK
+        scale_weights = in_features // self.scales.shape[1]
+        d = self.scales[group, :, row].float()  # (T, K/S)
+        m = self.offsets[group, :, row].float() if self.offsets.numel() else None  # (T, K/32)
+        if self.super_scales.numel():  # d = D sc, m = (-Dmin) mn, in fp32 as ggml forms them
+            per_super = self.super_scales[group, :, :, row].float()  # (T, K/256, 2)
+            d = per_super[:, :, 0].repeat_interleave(SUPER_BLOCK // scale_weights, dim=1) * d
+            if m is not None:
+                m = per_super[:, :, 1].repeat_interleave(SUPER_BLOCK // BLOCK, dim=1) * m
+        w = q.float().reshape(len(indices), -1, scale_weights) * d.unsqueeze(-1)
+        if m is not None:
+            w = w.reshape(len(indices), -1, BLOCK) + m.unsqueeze(-1)
         return w.reshape(len(indices), -1)
 
 
@@ -117,23 +164,49 @@ def _concatenated(parts: list[PackedWeight | None]) -> PackedWeight | None:
         return None
     if len(parts) == 1:
         return parts[0]
-    # Fused shards stack their row groups: only whole groups of 16 rows can be put end to end.
-    if len({p.bits for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
+    # Fused shards stack their row groups: only whole groups of 16 rows of one layout can be put end to end.
+    if len({p.layout_key() for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
         return None
+
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors) if tensors[0].numel() else tensors[0]
+
     return PackedWeight(
         bits=parts[0].bits,
         out_features=sum(p.out_features for p in parts),
         codes=torch.cat([p.codes for p in parts]),
         scales=torch.cat([p.scales for p in parts]),
-        offsets=torch.cat([p.offsets for p in parts]),
+        offsets=stacked([p.offsets for p in parts]),
+        super_scales=stacked([p.super_scales for p in parts]),
     )
 
 
-def pack_codes(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> PackedWeight:
-    """The packed form of known codes (rows, K/32, 32): 4-bit uint8 with offsets `low`, or int8 (low None)."""
-    if low is None:
-        return _pack_eight_bit(codes, scale, codes.shape[0])
-    return _pack_four_bit(codes, scale, low, codes.shape[0])
+def pack_block_codes(block: BlockCodes) -> PackedWeight:
+    """The packed form of a GGUF matrix's codes and scales as loader/dequant.py reads them from its bytes."""
+    # Per group of 16 rows, block and chunk c, byte i = (half h, row r, element e) (see quantized_linear.cpp).
+    rows = block.codes.shape[0]
+    if block.bits == 4:  # low nibble weight 2(4c + h) + e, high nibble weight 2(4c + 2 + h) + e
+        chunked = block.codes.reshape(*block.codes.shape[:2], 4, 2, 2, 2)  # (N, K/32, c, nibble, h, e)
+        pairs = chunked[..., 0, :, :] | (chunked[..., 1, :, :] << 4)  # (N, K/32, c, h, e)
+    else:  # weight 2(2c + h) + e
+        pairs = block.codes.reshape(*block.codes.shape[:2], 8, 2, 2)
+    grouped = _grouped(pairs, rows)  # (N/16, K/32, 16 rows, c, h, e)
+    codes = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], -1, 64)
+
+    def per_group(t: torch.Tensor | None) -> torch.Tensor:
+        return _NONE if t is None else _grouped(t, rows).contiguous()
+
+    super_scales = _NONE
+    if block.super_scales is not None:  # (N, K/256, 2) -> (N/16, K/256, 2, 16)
+        super_scales = _grouped(block.super_scales, rows).permute(0, 1, 3, 2).contiguous()
+    return PackedWeight(
+        bits=block.bits,
+        out_features=rows,
+        codes=codes.contiguous(),
+        scales=per_group(block.scales),
+        offsets=per_group(block.offsets),
+        super_scales=super_scales,
+    )
 
 
 def dense_placeholder(weight: torch.Tensor) -> nn.Parameter:
@@ -155,17 +228,7 @@ def find_packed(weight: torch.Tensor) -> PackedWeight | None:
     # otherwise add hundreds of MB to the load's peak memory.
     step = 128 * GROUP
     parts = [_find_packed_rows(weight[start : start + step]) for start in range(0, weight.shape[0], step)]
-    if any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return PackedWeight(
-        bits=parts[0].bits,
-        out_features=weight.shape[0],
-        codes=torch.cat([p.codes for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        offsets=torch.cat([p.offsets for p in parts]),
-    )
+    return _concatenated(parts)
 
 
 def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:
@@ -174,10 +237,11 @@ def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:
     if found is None:
         found = _exact_four_bit_symmetric(blocks)
     if found is not None:
-        return _pack_four_bit(*found, weight.shape[0])
+        codes, scale, low = found
+        return pack_block_codes(BlockCodes(4, codes, scale, low.half()))
     found = _exact_eight_bit(blocks)
     if found is not None:
-        return _pack_eight_bit(*found, weight.shape[0])
+        return pack_block_codes(BlockCodes(8, *found))
     return None
 
 
@@ -235,36 +299,3 @@ def _grouped(t: torch.Tensor, num_rows: int) -> torch.Tensor:
     if padded_rows != num_rows:
         t = torch.cat([t, t.new_zeros((padded_rows - num_rows, *t.shape[1:]))])
     return t.reshape(padded_rows // GROUP, GROUP, *t.shape[1:]).transpose(1, 2)  # (N/16, K/32, 16, ...)
-
-
-def _pack_four_bit(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, num_rows: int
-) -> PackedWeight:
-    # codes (N, K/32, 32) -> per group of 16 rows, block and chunk c, byte i = (half h, row r, element e):
-    # low nibble weight 2(4c + h) + e, high nibble weight 2(4c + 2 + h) + e (see quantized_linear.cpp).
-    pairs = codes.reshape(*codes.shape[:2], 4, 2, 2, 2)  # (N, K/32, chunk c, nibble, half h, e)
-    nibbles = pairs[..., 0, :, :] | (pairs[..., 1, :, :] << 4)  # (N, K/32, c, h, e)
-    grouped = _grouped(nibbles, num_rows)  # (N/16, K/32, 16 rows, c, h, e)
-    packed = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], 4, 64)
-    return PackedWeight(
-        bits=4,
-        out_features=num_rows,
-        codes=packed.contiguous(),
-        scales=_grouped(scale, num_rows).contiguous(),
-        offsets=_grouped(low.half(), num_rows).contiguous(),
-    )
-
-
-def _pack_eight_bit(codes: torch.Tensor, scale: torch.Tensor, num_rows: int) -> PackedWeight:
-    # Chunk c, byte i = (half h, row r, element e): weight 2(2c + h) + e.
-    pairs = codes.reshape(*codes.shape[:2], 8, 2, 2)  # (N, K/32, c, h, e)
-    grouped = _grouped(pairs, num_rows)  # (N/16, K/32, 16 rows, c, h, e)
-    packed = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], 8, 64)
-    scales = _grouped(scale, num_rows).contiguous()
-    return PackedWeight(
-        bits=8,
-        out_features=num_rows,
-        codes=packed.contiguous(),
-        scales=scales,
-        offsets=torch.zeros(scales.shape, dtype=torch.float16),
-    )

@@ -11,10 +11,14 @@ from gguf import GGMLQuantizationType
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.batch import Batch
-from serval.runner.quantization import BLOCK, find_packed
+from serval.runner.loader.dequant import BLOCK_CODE_TYPES, block_codes, dequantize
+from serval.runner.quantization import BLOCK, BlockCodes, find_packed, pack_block_codes
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+from tests.fixtures.quants import random_blocks
 
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+# Every block type, in the order of GGML's enum.
+BLOCK_TYPES = sorted(BLOCK_CODE_TYPES)
 
 
 def _gguf_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -67,17 +71,44 @@ def test_rows_of_the_packed_form_are_the_matrix_rows(qtype):
 
 @pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
 def test_packing_from_the_file_bytes_equals_recognizing_the_dequantized_values(qtype):
-    from serval.runner.loader.dequant import block_codes
-    from serval.runner.quantization import pack_codes
-
     rng = np.random.default_rng(5)
     array = (rng.standard_normal((40, 96)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(array, qtype)
-    from_bytes = pack_codes(*block_codes(raw, qtype, (40, 96)))
+    from_bytes = pack_block_codes(block_codes(raw, qtype, (40, 96)))
     recognized = find_packed(torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)))
     assert from_bytes.bits == recognized.bits == BITS[qtype]
-    for field in ("codes", "scales", "offsets"):
+    for field in ("codes", "scales", "offsets", "super_scales"):
         assert torch.equal(getattr(from_bytes, field), getattr(recognized, field)), field
+
+
+def _file_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
+    """(the matrix's GGUF bytes, its weights as dequantize decodes them: gguf's reference, bit for bit)."""
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    return raw, dequantize(raw, qtype, (rows, cols))
+
+
+def _offsets(block: BlockCodes) -> torch.Tensor:
+    """m of every (row, block of 32) as fp32, zero for formats without one."""
+    rows, num_blocks = block.codes.shape[:2]
+    if block.offsets is None:
+        return torch.zeros(rows, num_blocks)
+    if block.super_scales is None:
+        return block.offsets.float()
+    return block.super_scales[..., 1].float().repeat_interleave(8, dim=1) * block.offsets.float()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_packed_forms_from_the_file_bytes_are_the_file_weights_exactly(qtype):
+    # Each format's codes and scales, read from its bytes and packed, give back gguf's own dequantization
+    # bit for bit (rows: the embedding look-up's decode), padded last group included.
+    raw, weight = _file_matrix(qtype, 40, 512, seed=11)
+    packed = pack_block_codes(block_codes(raw, qtype, (40, 512)))
+    assert torch.equal(packed.rows(torch.arange(40)), weight)
+    indices = torch.tensor([39, 0, 17, 17, 16])
+    assert torch.equal(packed.rows(indices), weight[indices])
+    # At most ~1.6x the file's bytes for 5/6-bit codes kept in int8, about the file's size for the rest.
+    file_bytes = raw.nbytes * 48 / 40  # the packed form pads 40 rows to 48
+    assert packed.nbytes <= (1.6 if BITS.get(qtype) is None and packed.bits == 8 else 1.12) * file_bytes
 
 
 def test_weights_without_an_exact_form_are_left_alone():
@@ -87,35 +118,36 @@ def test_weights_without_an_exact_form_are_left_alone():
     assert find_packed(torch.randn(32, 48)) is None  # width not a multiple of 32
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
-    """What the kernel computes: x rounded per block of 32 to int16 (scale max|x| / 32767); for 4-bit
-    blocks (w = d q + m) the term m * sum(x_b) uses the exact x."""
+def _reference(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """What the few-row kernel computes: x rounded per block of 32 to int16 (scale max|x| / 32767) times
+    d q, plus m * sum(x_b) with the exact x (offsets: m per row and block of 32)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
     xq = (torch.where(amax > 0, torch.round(xb * (32767 / amax)), 0) * (amax / 32767)).reshape(m, k)
-    if packed.bits == 8:
-        return xq.double() @ weight.double().t()
     wb = weight.reshape(weight.shape[0], -1, BLOCK)
-    low = packed.offsets.permute(0, 2, 1).reshape(-1, wb.shape[1])[: weight.shape[0]]  # m per row and block
-    scaled = (wb - low[..., None]).reshape(weight.shape)  # d * q
-    return xq.double() @ scaled.double().t() + x.double().reshape(m, -1, BLOCK).sum(-1) @ low.double().t()
+    scaled = (wb - offsets[..., None]).reshape(weight.shape)  # d * q
+    return xq.double() @ scaled.double().t() + x.double().reshape(m, -1, BLOCK).sum(-1) @ offsets.double().t()
 
 
-@pytest.mark.parametrize("qtype", list(BITS), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64])
 def test_quantized_matmul_matches_reference(kernels, qtype, rows):
-    weight = _gguf_matrix(qtype, 72, 352, seed=rows)  # K: a slice of 256 and a partial one
-    packed = find_packed(weight)
+    # K = 768: 3 super-blocks of the k-quants, and for the tiled path a slice of 256 and a partial one
+    # where it applies (K 352 for the 32-weight formats).
+    cols = 768 if qtype >= GGMLQuantizationType.Q2_K else 352
+    raw, weight = _file_matrix(qtype, 72, cols, seed=rows)
+    block = block_codes(raw, qtype, (72, cols))
+    packed = pack_block_codes(block)
     torch.manual_seed(rows)
-    x = torch.randn(rows, 352) * 4
+    x = torch.randn(rows, cols) * 4
     x[0, 3] = 900.0  # an outlier channel
     got = packed.matmul(kernels.quantized_linear, x)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     exact = x.double() @ weight.double().t()
     if rows <= 8:
         # Integer dot products: x rounded to int16 per block (2^-15 of each block's largest value).
-        expected = _reference(x, weight, packed).float()
+        expected = _reference(x, weight, _offsets(block)).float()
         assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
         assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
     else:
@@ -123,6 +155,17 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
         assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
     got_bf16 = packed.matmul(kernels.quantized_linear, x.bfloat16())
     assert got_bf16.dtype == torch.bfloat16
+
+
+def test_quantized_matmul_refuses_inconsistent_packed_tensors(kernels):
+    raw, _ = _file_matrix(GGMLQuantizationType.Q4_K, 32, 256, seed=0)
+    packed = pack_block_codes(block_codes(raw, GGMLQuantizationType.Q4_K, (32, 256)))
+    x = torch.randn(1, 256)
+    with pytest.raises(RuntimeError, match="super-block"):
+        kernels.quantized_linear(x, packed.codes, packed.scales, packed.offsets, packed.super_scales[:, :, :1], 32)
+    with pytest.raises(RuntimeError, match="codes vs x"):
+        kernels.quantized_linear(torch.randn(1, 512), packed.codes, packed.scales, packed.offsets,
+                                 packed.super_scales, 32)  # fmt: skip
 
 
 def _decode_logits_both_ways(engine: Engine, prompts: list[list[int]]):

@@ -186,6 +186,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache (one query token per sequence)", release());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefilling sequences over the paged KV cache, written into out", release());
-  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in 4-bit or 8-bit blocks of 32", release());
+  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", release());
   register_decode_stack(m);
 }

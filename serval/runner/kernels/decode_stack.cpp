@@ -15,7 +15,7 @@ torch::Tensor optional(const torch::Tensor& t) { return t.numel() == 0 ? torch::
 
 // One Linear layer (layers.py): its weight, and its exact packed low-bit form when it has one.
 struct LinearWeights {
-  torch::Tensor weight, codes, scales, offsets;  // codes undefined: no packed form
+  torch::Tensor weight, codes, scales, offsets, super_scales;  // codes undefined: no packed form
   bool use_small_batch_kernel = false;
   int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
 
@@ -24,7 +24,7 @@ struct LinearWeights {
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& bias) const {
     torch::Tensor y;
     if (codes.defined() && x.size(0) <= max_quantized_rows) {
-      y = quantized_linear(x, codes, scales, offsets, weight.size(0));
+      y = quantized_linear(x, codes, scales, offsets, super_scales, weight.size(0));
     } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
       y = bf16_linear_small_batch(x, weight);
     } else {
@@ -35,7 +35,7 @@ struct LinearWeights {
 };
 
 LinearWeights linear_weights(const torch::Tensor* t, int64_t max_quantized_rows, int64_t max_small_batch_rows) {
-  LinearWeights w{t[0], optional(t[1]), optional(t[2]), optional(t[3])};
+  LinearWeights w{t[0], optional(t[1]), optional(t[2]), optional(t[3]), optional(t[4])};
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
   w.use_small_batch_kernel = w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
@@ -50,19 +50,19 @@ struct LayerWeights {
 
 class DecodeStack {
  public:
-  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] and then 4 tensors
-  // [weight, codes, scales, offsets] for each of qkv, o, gate_up, down; an empty tensor stands for an absent
-  // bias, q/k norm or packed form.
+  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] and then 5 tensors
+  // [weight, codes, scales, offsets, super_scales] for each of qkv, o, gate_up, down; an empty tensor stands
+  // for an absent bias, q/k norm, packed form or part of one.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
               int64_t max_small_batch_rows)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale) {
     for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 23, "each layer needs 23 tensors");
+      TORCH_CHECK(t.size() == 27, "each layer needs 27 tensors");
       auto linear = [&](int64_t i) { return linear_weights(&t[i], max_quantized_rows, max_small_batch_rows); };
-      layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(7), linear(11),
-                         linear(15), linear(19), t[5], t[6]});
+      layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(7), linear(12),
+                         linear(17), linear(22), t[5], t[6]});
     }
   }
 

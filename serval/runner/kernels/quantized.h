@@ -1,30 +1,87 @@
-// The packed 4-bit / 8-bit weight layout shared by quantized_linear.cpp (few rows of x: integer dot products)
-// and quantized_tiles.cpp (many rows: weights dequantized a tile at a time, fp32 FMAs). The layout itself is
-// described in quantized_linear.cpp and written by serval/runner/quantization.py.
+// The packed low-bit weight layouts shared by quantized_linear.cpp (few rows of x: integer dot products) and
+// quantized_tiles.cpp (many rows: weights dequantized a tile at a time, fp32 FMAs). The byte layout of the
+// codes is described in quantized_linear.cpp; serval/runner/quantization.py writes them.
+//
+// Every layout stores codes (4-bit in nibbles, or int8) in groups of 16 output rows, and for each row and
+// scale block of 16 or 32 weights a scale d and, where the format has one, an offset m: w = d q + m. The
+// layouts differ only in how d and m are stored:
+//   kQ4     4-bit codes, fp16 d and m per 32 (GGUF Q4_0, Q4_1)
+//   kQ8     int8 codes, fp16 d per 32, no m (Q8_0; Q5_0 as q - 16)
+//   kQ8Min  int8 codes, fp16 d and m per 32 (Q5_1)
+//   kQ4K    4-bit codes; per 256 an fp16 d and -dmin, per 32 a 6-bit scale and min: d = D sc, m = -Dmin mn
+//           (Q4_K)
+//   kQ8K    the same with int8 codes (Q5_K)
+//   kQ8K16  int8 codes, per 256 an fp16 D, per 16 an int8 scale: d = D sc, no m (Q6_K as q - 32)
+// d and m are formed in fp32 exactly as ggml's dequantizers form them, so w is the file's weight bit for bit.
 #pragma once
+#include <type_traits>
+
 #include "common.h"
+#include "simd.h"
 
 namespace serval_kernels::quantized {
 
-constexpr int64_t kBlock = 32;  // weights per block along K
-constexpr int64_t kGroup = 16;  // output rows per packed group
+constexpr int64_t kBlock = 32;        // weights per block along K (x is quantized per block)
+constexpr int64_t kGroup = 16;        // output rows per packed group
+constexpr int64_t kSuperWeights = 256;  // weights per k-quant super-block
+constexpr int64_t kChunkBytes = 64;
 
-constexpr int64_t block_bytes(bool four_bit) { return (four_bit ? 4 : 8) * 64; }
+enum class Layout { kQ4, kQ8, kQ8Min, kQ4K, kQ8K, kQ8K16 };
 
-// One block of one group as q[k][row] (k the weight's index in the block, row in the group): 4-bit codes
-// 0..15, 8-bit codes -128..127. Byte i of chunk c is (half h, row r, element e) = (i / 32, i % 32 / 2, i % 2);
-// 4-bit: its low nibble is weight 2(4c + h) + e, its high nibble weight 2(4c + 2 + h) + e; 8-bit: it is
-// weight 2(2c + h) + e.
-template <bool kFourBit>
-inline void unpack_block(const uint8_t* block, int16_t q[kBlock][kGroup]) {
-  constexpr int kChunks = kFourBit ? 4 : 8;
-  for (int c = 0; c < kChunks; ++c) {
+template <Layout L>
+struct Traits {
+  static constexpr bool kFourBit = L == Layout::kQ4 || L == Layout::kQ4K;
+  static constexpr bool kSuper = L == Layout::kQ4K || L == Layout::kQ8K || L == Layout::kQ8K16;
+  static constexpr bool kOffsets = L != Layout::kQ8 && L != Layout::kQ8K16;
+  static constexpr int64_t kScaleWeights = L == Layout::kQ8K16 ? 16 : 32;  // weights per d (and m)
+  static constexpr int kChunks = static_cast<int>(kScaleWeights / (kFourBit ? 8 : 4));  // 64-byte chunks per d
+  using SubScale = std::conditional_t<L == Layout::kQ8K16, int8_t, uint8_t>;
+};
+
+// One packed matrix, as the kernels read it.
+struct PackedMatrix {
+  const uint8_t* codes;
+  int64_t group_bytes;  // codes per group of 16 rows
+  const void* scales;   // (groups, K / scale weights, 16): fp16 d, or the 8-bit sub-block scales (k-quants)
+  const void* offsets;  // (groups, K / 32, 16): fp16 m, or the 8-bit sub-block mins (k-quants); null: none
+  const at::Half* super;  // (groups, K / 256, 2, 16): D and -Dmin (k-quants); else null
+  int64_t K;
+};
+
+// d and m of the 16 rows of group G in scale block s, in fp32.
+template <Layout L>
+inline void block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
+  using T = Traits<L>;
+  const int64_t at = (G * (w.K / T::kScaleWeights) + s) * kGroup;
+  for (int v = 0; v < kGroup; v += simd::kWidth) {
+    if constexpr (!T::kSuper) {
+      simd::store(d + v, simd::load(static_cast<const at::Half*>(w.scales) + at + v));
+      if constexpr (T::kOffsets) simd::store(m + v, simd::load(static_cast<const at::Half*>(w.offsets) + at + v));
+    } else {
+      const at::Half* super = w.super + (G * (w.K / kSuperWeights) + s * T::kScaleWeights / kSuperWeights) * 2 * kGroup;
+      const auto* sub = static_cast<const typename T::SubScale*>(w.scales) + at;
+      simd::store(d + v, simd::mul(simd::load(super + v), simd::load(sub + v)));
+      if constexpr (T::kOffsets) {
+        const auto* mins = static_cast<const uint8_t*>(w.offsets) + at;
+        simd::store(m + v, simd::mul(simd::load(super + kGroup + v), simd::load(mins + v)));
+      }
+    }
+  }
+}
+
+// One scale block of one group as q[k][row] (k the weight's index in the block, row in the group): 4-bit
+// codes 0..15, 8-bit codes -128..127. Byte i of chunk c is (half h, row r, element e) = (i / 32, i % 32 / 2,
+// i % 2); 4-bit: its low nibble is weight 2(4c + h) + e, its high nibble weight 2(4c + 2 + h) + e; 8-bit: it
+// is weight 2(2c + h) + e.
+template <Layout L>
+inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeights][kGroup]) {
+  for (int c = 0; c < Traits<L>::kChunks; ++c) {
     for (int h = 0; h < 2; ++h) {
       for (int e = 0; e < 2; ++e) {
-        const uint8_t* bytes = block + c * 64 + h * 32 + e;
+        const uint8_t* bytes = block + c * kChunkBytes + h * 32 + e;
         for (int r = 0; r < kGroup; ++r) {
           const uint8_t byte = bytes[2 * r];
-          if constexpr (kFourBit) {
+          if constexpr (Traits<L>::kFourBit) {
             q[2 * (4 * c + h) + e][r] = byte & 0x0F;
             q[2 * (4 * c + 2 + h) + e][r] = byte >> 4;
           } else {
@@ -38,8 +95,7 @@ inline void unpack_block(const uint8_t* block, int16_t q[kBlock][kGroup]) {
 
 // out[m, 16 G + n] = sum_k x[m, k] w[16 G + n, k] for every group G and row m, with w dequantized in fp32
 // (exactly the file's weights). out has out_stride floats a row.
-void matmul_dequantized_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t group_bytes,
-                              const at::Half* scales, const at::Half* offsets, bool four_bit, int64_t num_groups,
+void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                               float* out, int64_t out_stride);
 
 }  // namespace serval_kernels::quantized

@@ -1,8 +1,9 @@
-// y = x @ W.T, W in 4-bit or 8-bit blocks of 32 weights along K with an fp16 scale per block (and, 4-bit, an
-// fp16 min): the exact weights of GGUF's Q4_0/Q4_1/Q8_0 files, read at 0.625 or 1.0625 bytes a weight against
-// bf16's 2. Up to 8 rows of x (decode) go through the integer dot products here: VPDPWSSD on AVX-512-VNNI,
-// VPMADDWD plus adds on AVX2, plain loops in the portable build; batch-1 decode reads every weight once per
-// token, so bytes and these instructions are its cost. More rows go through quantized_tiles.cpp.
+// y = x @ W.T, W in 4-bit or 8-bit codes with a scale (and offset) per block of 32 or 16 weights: the exact
+// weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and k-quant (Q4_K/Q5_K/Q6_K) files (quantized.h lists the
+// layouts), read at 0.58-1.1 bytes a weight against bf16's 2. Up to 8 rows of x (decode) go through the
+// integer dot products here: VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the
+// portable build; batch-1 decode reads every weight once per token, so bytes and these instructions are its
+// cost. More rows go through quantized_tiles.cpp.
 //
 // Weights come packed by serval/runner/quantization.py in groups of 16 output rows, so one 512-bit register
 // holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once (on
@@ -11,14 +12,14 @@
 //          widened to int16) into the operands of weight pairs 4c, 4c+1, 4c+2, 4c+3 of the block;
 //          8-bit: (N/16, K/32, 8, 64) int8: chunk c widens into the operands of pairs 2c and 2c+1;
 //          operand word 2r + e holds row r's weight 2p + e of pair p;
-//   scales (N/16, K/32, 16) fp16: d of each row's block;
-//   offsets (N/16, K/32, 16) fp16: 4-bit: the block's min m (w = d q + m); 8-bit: zero (w = d q), unread.
+//   scales, offsets, super_scales: d and m of each row's scale block, stored as quantized.h's layout says.
+// Each scale block's integer dot product is scaled once: y += d dx dot(q, xq) + m sum(x_b).
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions but flipped the greedy
 // output of 15 of the 16 fidelity prompts within 32 tokens on the default model: its activations have
-// outlier channels that take the whole 8-bit range of their block.) The 4-bit min term uses the exact sum
-// of each block of x.
+// outlier channels that take the whole 8-bit range of their block.) The offset term uses the exact sum of
+// each block of x.
 #include "quantized.h"
 
 using namespace serval_kernels;
@@ -67,30 +68,30 @@ inline __m512i broadcast_pair(const int16_t* p) {
 inline __m512i widen_u8(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
 inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
 
-// 16 output rows (one packed group) for R rows of x. R is a template argument so that the accumulators are
+// 16 output rows (packed group G) for R rows of x. R is a template argument so that the accumulators are
 // registers; with few rows each row's block sum is split over independent chains, since one VPDPWSSD chain
 // waits ~5 cycles per instruction: with a single chain a batch-1 decode ran at a quarter of the unit's rate,
 // far below memory speed.
-template <bool kFourBit, int R>
-void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
-                int64_t r0, int64_t K, float* out, int64_t out_stride) {
-  const int64_t num_blocks = K / kBlock;
-  constexpr int kChunks = kFourBit ? 4 : 8;
-  constexpr int kOperands = kFourBit ? 4 : 2;  // per chunk
+template <Layout L, int R>
+void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+  using T = Traits<L>;
+  const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
+  constexpr int kOperands = T::kFourBit ? 4 : 2;  // per chunk
   constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  const uint8_t* codes = w.codes + G * w.group_bytes;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = codes + b * kChunks * 64;
+  for (int64_t s = 0; s < num_scale_blocks; ++s) {
+    const uint8_t* block = codes + s * T::kChunks * kChunkBytes;
     __m512i dots[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < kChains; ++h) dots[r][h] = _mm512_setzero_si512();
-    for (int c = 0; c < kChunks; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + c * 64 + kPrefetchBytes), _MM_HINT_T0);
-      const __m512i packed = _mm512_loadu_si512(block + c * 64);
+    for (int c = 0; c < T::kChunks; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + c * kChunkBytes + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
       __m512i operand[kOperands];
-      if constexpr (kFourBit) {
+      if constexpr (T::kFourBit) {
         const __m512i lo = _mm512_and_si512(packed, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
         operand[0] = widen_u8(_mm512_castsi512_si256(lo));
@@ -102,24 +103,22 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
         operand[1] = widen_s8(_mm512_extracti64x4_epi64(packed, 1));
       }
       for (int r = 0; r < R; ++r) {
-        const int16_t* xr = xq.codes.data() + (r0 + r) * K + b * kBlock + 2 * kOperands * c;
+        const int16_t* xr = xq.codes.data() + r * K + s * T::kScaleWeights + 2 * kOperands * c;
         for (int o = 0; o < kOperands; ++o) {
           __m512i& chain = dots[r][(c * kOperands + o) % kChains];
           chain = _mm512_dpwssd_epi32(chain, operand[o], broadcast_pair(xr + 2 * o));
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroup)));
+    alignas(64) float d[kGroup], m[kGroup];
+    block_scales<L>(w, G, s, d, m);
     for (int r = 0; r < R; ++r) {
       __m512i dot = dots[r][0];
       for (int h = 1; h < kChains; ++h) dot = _mm512_add_epi32(dot, dots[r][h]);
-      const int64_t i = (r0 + r) * num_blocks + b;
-      const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xq.scales[i]));
+      const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
+      const __m512 dx = _mm512_mul_ps(_mm512_load_ps(d), _mm512_set1_ps(xq.scales[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
-      if constexpr (kFourBit) {  // + m sum(x_b)
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + b * kGroup)));
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sums[i]), acc[r]);
-      }
+      if constexpr (T::kOffsets) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(m), _mm512_set1_ps(xq.sums[i]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
@@ -128,27 +127,27 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
 // AVX2 has no VPDPWSSD: VPMADDWD multiplies the same int16 operands pairwise into int32 (8 per register) and
 // a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
 // rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
-template <bool kFourBit, int R>
-void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
-                int64_t r0, int64_t K, float* out, int64_t out_stride) {
-  const int64_t num_blocks = K / kBlock;
-  constexpr int kChunks = kFourBit ? 4 : 8;
-  constexpr int kOperands = kFourBit ? 4 : 2;  // weight pairs per chunk
+template <Layout L, int R>
+void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+  using T = Traits<L>;
+  const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
+  constexpr int kOperands = T::kFourBit ? 4 : 2;  // weight pairs per chunk
+  const uint8_t* codes = w.codes + G * w.group_bytes;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = codes + b * kChunks * 64;
+  for (int64_t s = 0; s < num_scale_blocks; ++s) {
+    const uint8_t* block = codes + s * T::kChunks * kChunkBytes;
     __m256i dots[R][2];
     for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
     // Not unrolled: GCC's full unroll of the block kept all 16 products live and spilled them to the stack.
 #pragma GCC unroll 1
-    for (int c = 0; c < kChunks; ++c) {
-      simd::prefetch(block + c * 64 + kPrefetchBytes);
+    for (int c = 0; c < T::kChunks; ++c) {
+      simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       __m256i operand[kOperands];  // 32 bytes of (row, element) pairs each: pair kOperands * c + o
-      const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64));
-      const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + 32));
-      if constexpr (kFourBit) {
+      const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
+      const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
+      if constexpr (T::kFourBit) {
         operand[0] = _mm256_and_si256(half0, nibble);
         operand[1] = _mm256_and_si256(half1, nibble);
         operand[2] = _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble);
@@ -159,24 +158,26 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
       }
       for (int o = 0; o < kOperands; ++o) {
         const __m128i low = _mm256_castsi256_si128(operand[o]), high = _mm256_extracti128_si256(operand[o], 1);
-        const __m256i rows0 = kFourBit ? _mm256_cvtepu8_epi16(low) : _mm256_cvtepi8_epi16(low);
-        const __m256i rows1 = kFourBit ? _mm256_cvtepu8_epi16(high) : _mm256_cvtepi8_epi16(high);
+        const __m256i rows0 = T::kFourBit ? _mm256_cvtepu8_epi16(low) : _mm256_cvtepi8_epi16(low);
+        const __m256i rows1 = T::kFourBit ? _mm256_cvtepu8_epi16(high) : _mm256_cvtepi8_epi16(high);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
-          std::memcpy(&pair, xq.codes.data() + (r0 + r) * K + b * kBlock + 2 * (kOperands * c + o), 4);
+          std::memcpy(&pair, xq.codes.data() + r * K + s * T::kScaleWeights + 2 * (kOperands * c + o), 4);
           const __m256i x = _mm256_set1_epi32(pair);
           dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(rows0, x));
           dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(rows1, x));
         }
       }
     }
+    alignas(32) float d[kGroup], m[kGroup];
+    block_scales<L>(w, G, s, d, m);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroup + 8 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + b * kGroup + 8 * h)));
+      const __m256 dh = _mm256_load_ps(d + 8 * h);
       for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * num_blocks + b;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xq.scales[i])), acc[r][h]);
-        if constexpr (kFourBit) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.sums[i]), acc[r][h]);  // + m sum(x_b)
+        const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]), _mm256_mul_ps(dh, _mm256_set1_ps(xq.scales[i])), acc[r][h]);
+        if constexpr (T::kOffsets)  // + m sum(x_b)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_load_ps(m + 8 * h), _mm256_set1_ps(xq.sums[i]), acc[r][h]);
       }
     }
   }
@@ -187,24 +188,26 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
 }
 #else
 // Portable: the same integer sums, one block unpacked at a time (the compiler vectorizes over the 16 rows).
-template <bool kFourBit, int R>
-void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, const QuantizedRows& xq,
-                int64_t r0, int64_t K, float* out, int64_t out_stride) {
-  const int64_t num_blocks = K / kBlock;
+template <Layout L, int R>
+void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+  using T = Traits<L>;
+  const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
+  const uint8_t* codes = w.codes + G * w.group_bytes;
   float acc[R][kGroup] = {};
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    int16_t w[kBlock][kGroup];
-    unpack_block<kFourBit>(codes + b * block_bytes(kFourBit), w);
+  for (int64_t s = 0; s < num_scale_blocks; ++s) {
+    int16_t q[T::kScaleWeights][kGroup];
+    unpack_block<L>(codes + s * T::kChunks * kChunkBytes, q);
+    float d[kGroup], m[kGroup];
+    block_scales<L>(w, G, s, d, m);
     for (int r = 0; r < R; ++r) {
-      const int16_t* x = xq.codes.data() + (r0 + r) * K + b * kBlock;
-      const int64_t i = (r0 + r) * num_blocks + b;
+      const int16_t* x = xq.codes.data() + r * K + s * T::kScaleWeights;
+      const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
       int32_t dot[kGroup] = {};
-      for (int k = 0; k < kBlock; ++k)
-        for (int n = 0; n < kGroup; ++n) dot[n] += static_cast<int32_t>(w[k][n]) * x[k];
+      for (int k = 0; k < T::kScaleWeights; ++k)
+        for (int n = 0; n < kGroup; ++n) dot[n] += static_cast<int32_t>(q[k][n]) * x[k];
       for (int n = 0; n < kGroup; ++n) {
-        const float d = static_cast<float>(scales[b * kGroup + n]);
-        acc[r][n] += static_cast<float>(dot[n]) * (d * xq.scales[i]);
-        if constexpr (kFourBit) acc[r][n] += static_cast<float>(offsets[b * kGroup + n]) * xq.sums[i];
+        acc[r][n] += static_cast<float>(dot[n]) * (d[n] * xq.scales[i]);
+        if constexpr (T::kOffsets) acc[r][n] += m[n] * xq.sums[i];
       }
     }
   }
@@ -212,59 +215,101 @@ void group_rows(const uint8_t* codes, const at::Half* scales, const at::Half* of
 }
 #endif
 
-using GroupRows = void (*)(const uint8_t*, const at::Half*, const at::Half*, const QuantizedRows&, int64_t, int64_t,
-                           float*, int64_t);
+using GroupRows = void (*)(const PackedMatrix&, int64_t, const QuantizedRows&, float*, int64_t);
 
-template <bool kFourBit>
+template <Layout L>
 GroupRows group_rows_for(int64_t rows) {
   switch (rows) {
-    case 1: return group_rows<kFourBit, 1>;
-    case 2: return group_rows<kFourBit, 2>;
-    case 3: return group_rows<kFourBit, 3>;
-    case 4: return group_rows<kFourBit, 4>;
-    case 5: return group_rows<kFourBit, 5>;
-    case 6: return group_rows<kFourBit, 6>;
-    case 7: return group_rows<kFourBit, 7>;
-    default: return group_rows<kFourBit, 8>;
+    case 1: return group_rows<L, 1>;
+    case 2: return group_rows<L, 2>;
+    case 3: return group_rows<L, 3>;
+    case 4: return group_rows<L, 4>;
+    case 5: return group_rows<L, 5>;
+    case 6: return group_rows<L, 6>;
+    case 7: return group_rows<L, 7>;
+    default: return group_rows<L, 8>;
   }
+}
+
+GroupRows group_rows_for(Layout layout, int64_t rows) {
+  switch (layout) {
+    case Layout::kQ4: return group_rows_for<Layout::kQ4>(rows);
+    case Layout::kQ8: return group_rows_for<Layout::kQ8>(rows);
+    case Layout::kQ8Min: return group_rows_for<Layout::kQ8Min>(rows);
+    case Layout::kQ4K: return group_rows_for<Layout::kQ4K>(rows);
+    case Layout::kQ8K: return group_rows_for<Layout::kQ8K>(rows);
+    case Layout::kQ8K16: return group_rows_for<Layout::kQ8K16>(rows);
+  }
+  return nullptr;
+}
+
+bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// The layout of a packed matrix from its tensors (quantized.h), each checked against x's width K.
+Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                     const torch::Tensor& super, int64_t K) {
+  const bool four_bit = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK(four_bit || codes.scalar_type() == torch::kChar, "codes: uint8 (4-bit) or int8 (8-bit)");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / kBlock && codes.size(2) == (four_bit ? 4 : 8) &&
+              codes.size(3) == kChunkBytes, "codes vs x");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(2) == kGroup, "scales' shape");
+  const bool has_super = present(super), has_offsets = present(offsets);
+  const int64_t scale_weights = scales.size(1) > 0 ? K / scales.size(1) : 0;
+  Layout layout;
+  if (!has_super) {
+    layout = four_bit ? Layout::kQ4 : (has_offsets ? Layout::kQ8Min : Layout::kQ8);
+    TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!has_offsets || offsets.scalar_type() == torch::kHalf),
+                "fp16 scales and offsets");
+  } else {
+    layout = four_bit ? Layout::kQ4K : (has_offsets ? Layout::kQ8K : Layout::kQ8K16);
+    TORCH_CHECK(K % kSuperWeights == 0, "k-quant layouts: K a multiple of 256");
+    TORCH_CHECK(super.scalar_type() == torch::kHalf && super.dim() == 4 && super.size(0) == codes.size(0) &&
+                super.size(1) == K / kSuperWeights && super.size(2) == 2 && super.size(3) == kGroup,
+                "super-block scales: (groups, K / 256, 2, 16) fp16");
+    const auto sub_type = layout == Layout::kQ8K16 ? torch::kChar : torch::kByte;
+    TORCH_CHECK(scales.scalar_type() == sub_type && (!has_offsets || offsets.scalar_type() == torch::kByte),
+                "k-quant sub-block scales and mins: 8-bit");
+  }
+  TORCH_CHECK(layout != Layout::kQ4 || has_offsets, "4-bit codes need offsets");
+  TORCH_CHECK(layout != Layout::kQ4K || has_offsets, "4-bit codes need offsets");
+  TORCH_CHECK(scale_weights == (layout == Layout::kQ8K16 ? 16 : 32) && scales.size(1) * scale_weights == K,
+              "one scale per 32 weights (Q6_K's layout: per 16)");
+  TORCH_CHECK(!has_offsets || (offsets.dim() == 3 && offsets.size(0) == codes.size(0) &&
+                               offsets.size(1) == K / kBlock && offsets.size(2) == kGroup), "offsets' shape");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && (!has_offsets || offsets.is_contiguous()) &&
+              (!has_super || super.is_contiguous()), "packed tensors: contiguous");
+  return layout;
 }
 
 }  // namespace
 
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
 // through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp (FMAs are).
+// offsets and super_scales may be empty (undefined in the DecodeStack): the layout has none.
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 3 && offsets.dim() == 3, "packed shapes");
-  const bool four_bit = codes.scalar_type() == torch::kByte;
-  TORCH_CHECK(four_bit || codes.scalar_type() == torch::kChar, "codes: uint8 (4-bit) or int8 (8-bit)");
-  const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0), num_blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && codes.size(1) == num_blocks && codes.size(2) == (four_bit ? 4 : 8), "codes vs x");
+                               torch::Tensor super_scales, int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
+  const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0);
+  TORCH_CHECK(K % kBlock == 0, "K: a multiple of 32");
+  const Layout layout = packed_layout(codes, scales, offsets, super_scales, K);
   TORCH_CHECK(num_groups * kGroup >= N && num_groups * kGroup < N + kGroup, "N vs the packed groups");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "fp16 scales and offsets");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "packed tensors: contiguous");
+  const PackedMatrix w{static_cast<const uint8_t*>(codes.data_ptr()), codes.stride(0), scales.data_ptr(),
+                       present(offsets) ? offsets.data_ptr() : nullptr,
+                       present(super_scales) ? super_scales.data_ptr<at::Half>() : nullptr, K};
   const auto xf = x.to(torch::kFloat).contiguous();
   // Padded to whole groups; the padding columns are dropped by the narrow below.
   auto out = torch::empty({M, num_groups * kGroup}, xf.options());
   float* op = out.data_ptr<float>();
-  const auto* code_ptr = static_cast<const uint8_t*>(codes.data_ptr());
-  const int64_t group_bytes = codes.stride(0);
-  const at::Half* scale_ptr = scales.data_ptr<at::Half>();
-  const at::Half* offset_ptr = offsets.data_ptr<at::Half>();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (M > kMaxRows) {
-    matmul_dequantized_tiles(xf.data_ptr<float>(), M, K, code_ptr, group_bytes, scale_ptr, offset_ptr, four_bit,
-                             num_groups, op, out.size(1));
+    matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else {
     const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
-    const GroupRows run = four_bit ? group_rows_for<true>(M) : group_rows_for<false>(M);
+    const GroupRows run = group_rows_for(layout, M);
     // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
     parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
-      for (int64_t G = begin; G < end; ++G) {
-        run(code_ptr + G * group_bytes, scale_ptr + G * num_blocks * kGroup, offset_ptr + G * num_blocks * kGroup,
-            xq, 0, K, op + G * kGroup, out.size(1));
-      }
+      for (int64_t G = begin; G < end; ++G) run(w, G, xq, op + G * kGroup, out.size(1));
     });
   }
   auto y = out.narrow(1, 0, N);

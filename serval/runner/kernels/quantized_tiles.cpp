@@ -13,7 +13,7 @@ using namespace serval_kernels::quantized;
 
 namespace {
 
-constexpr int64_t kSliceBlocks = 8;  // 256 weights of K: a 16 KB fp32 slice
+constexpr int64_t kSliceWeights = 256;  // of K: a 16 KB fp32 slice
 // Rows of x per micro-kernel pass: R * 16 / kWidth accumulators plus the weight vectors fit the registers
 // (AVX-512: 8 + 1 of 32; AVX2 and portable: 12 + 2 of 16).
 constexpr int kTileRows = simd::kWidth == 16 ? 8 : 6;
@@ -32,58 +32,42 @@ inline void store_weight_rows(__m256i bytes, int at, const __m256 d[2], const __
 }
 #endif
 
-// One block of one group into w[k][16], fp32.
-template <bool kFourBit>
-inline void dequantize_block(const uint8_t* block, const at::Half* scales, const at::Half* offsets, float* w) {
+// Scale block s of group G into w[k][16], fp32.
+template <Layout L>
+inline void dequantize_block(const PackedMatrix& pm, int64_t G, int64_t s, float* w) {
+  using T = Traits<L>;
+  alignas(32) float d[kGroup], m[kGroup] = {};
+  block_scales<L>(pm, G, s, d, m);
+  const uint8_t* block = pm.codes + G * pm.group_bytes + s * T::kChunks * kChunkBytes;
 #if defined(__AVX2__)
   // Each 32-byte half of a chunk holds (row, element) byte pairs of rows 0-7, then rows 8-15; one shuffle
   // per 128-bit lane puts element 0 of the 8 rows before element 1, so each weight's 8 rows are 8 bytes.
   const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))),
-                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 8)))};
-  const __m256 m[2] = {kFourBit ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets)))
-                                : _mm256_setzero_ps(),
-                       kFourBit ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + 8)))
-                                : _mm256_setzero_ps()};
-  constexpr int kChunks = kFourBit ? 4 : 8;
-  for (int c = 0; c < kChunks; ++c) {
+  const __m256 dv[2] = {_mm256_load_ps(d), _mm256_load_ps(d + 8)};
+  const __m256 mv[2] = {_mm256_load_ps(m), _mm256_load_ps(m + 8)};
+  for (int c = 0; c < T::kChunks; ++c) {
     for (int h = 0; h < 2; ++h) {
       const __m256i raw = _mm256_shuffle_epi8(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * 64 + h * 32)), split);
-      if constexpr (kFourBit) {
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32)), split);
+      if constexpr (T::kFourBit) {
         const __m256i nibble = _mm256_set1_epi8(0x0F);
         const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         for (int e = 0; e < 2; ++e) {
-          store_weight_rows<false>(low, 8 * e, d, m, w + (2 * (4 * c + h) + e) * kGroup);
-          store_weight_rows<false>(high, 8 * e, d, m, w + (2 * (4 * c + 2 + h) + e) * kGroup);
+          store_weight_rows<false>(low, 8 * e, dv, mv, w + (2 * (4 * c + h) + e) * kGroup);
+          store_weight_rows<false>(high, 8 * e, dv, mv, w + (2 * (4 * c + 2 + h) + e) * kGroup);
         }
       } else {
-        for (int e = 0; e < 2; ++e) store_weight_rows<true>(raw, 8 * e, d, m, w + (2 * (2 * c + h) + e) * kGroup);
+        for (int e = 0; e < 2; ++e) store_weight_rows<true>(raw, 8 * e, dv, mv, w + (2 * (2 * c + h) + e) * kGroup);
       }
     }
   }
 #else
-  int16_t q[kBlock][kGroup];
-  unpack_block<kFourBit>(block, q);
-  float d[kGroup], m[kGroup];
-  for (int n = 0; n < kGroup; ++n) {
-    d[n] = static_cast<float>(scales[n]);
-    m[n] = kFourBit ? static_cast<float>(offsets[n]) : 0.0f;
-  }
-  for (int k = 0; k < kBlock; ++k)
+  int16_t q[T::kScaleWeights][kGroup];
+  unpack_block<L>(block, q);
+  for (int k = 0; k < T::kScaleWeights; ++k)
     for (int n = 0; n < kGroup; ++n) w[k * kGroup + n] = d[n] * static_cast<float>(q[k][n]) + m[n];
 #endif
-}
-
-template <bool kFourBit>
-void dequantize_slice(const uint8_t* codes, const at::Half* scales, const at::Half* offsets, int64_t b0,
-                      int64_t num_blocks, float* w) {  // w: (num_blocks * 32, 16)
-  for (int64_t i = 0; i < num_blocks; ++i) {
-    const int64_t b = b0 + i;
-    dequantize_block<kFourBit>(codes + b * block_bytes(kFourBit), scales + b * kGroup, offsets + b * kGroup,
-                               w + i * kBlock * kGroup);
-  }
 }
 
 // out[r, 0:16] (+)= sum_k x[r, k] w[k, 0:16] for R rows.
@@ -116,23 +100,24 @@ TileRows tile_rows_for(int64_t rows, std::integer_sequence<int, Rows...>) {
   return run;
 }
 
-template <bool kFourBit>
-void matmul_impl(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t group_bytes,
-                 const at::Half* scales, const at::Half* offsets, int64_t num_groups, float* out,
+template <Layout L>
+void matmul_impl(const float* x, int64_t M, const PackedMatrix& pm, int64_t num_groups, float* out,
                  int64_t out_stride) {
-  const int64_t num_blocks = K / kBlock;
+  constexpr int64_t kSliceScaleBlocks = kSliceWeights / Traits<L>::kScaleWeights;
+  const int64_t K = pm.K, num_scale_blocks = K / Traits<L>::kScaleWeights;
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> slice(kSliceBlocks * kBlock * kGroup);
+    std::vector<float> slice(kSliceWeights * kGroup);
     for (int64_t G = begin; G < end; ++G) {
-      for (int64_t b0 = 0; b0 < num_blocks; b0 += kSliceBlocks) {
-        const int64_t blocks = std::min(kSliceBlocks, num_blocks - b0);
-        dequantize_slice<kFourBit>(codes + G * group_bytes, scales + G * num_blocks * kGroup,
-                                   offsets + G * num_blocks * kGroup, b0, blocks, slice.data());
+      for (int64_t s0 = 0; s0 < num_scale_blocks; s0 += kSliceScaleBlocks) {
+        const int64_t blocks = std::min(kSliceScaleBlocks, num_scale_blocks - s0);
+        for (int64_t i = 0; i < blocks; ++i)
+          dequantize_block<L>(pm, G, s0 + i, slice.data() + i * Traits<L>::kScaleWeights * kGroup);
+        const int64_t k0 = s0 * Traits<L>::kScaleWeights;
         for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
           const TileRows run = tile_rows_for(std::min<int64_t>(kTileRows, M - r0),
                                              std::make_integer_sequence<int, kTileRows>());
-          run(slice.data(), blocks * kBlock, x + r0 * K + b0 * kBlock, K, out + r0 * out_stride + G * kGroup,
-              out_stride, b0 > 0);
+          run(slice.data(), blocks * Traits<L>::kScaleWeights, x + r0 * K + k0, K, out + r0 * out_stride + G * kGroup,
+              out_stride, k0 > 0);
         }
       }
     }
@@ -143,11 +128,16 @@ void matmul_impl(const float* x, int64_t M, int64_t K, const uint8_t* codes, int
 
 namespace serval_kernels::quantized {
 
-void matmul_dequantized_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t group_bytes,
-                              const at::Half* scales, const at::Half* offsets, bool four_bit, int64_t num_groups,
+void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                               float* out, int64_t out_stride) {
-  if (four_bit) matmul_impl<true>(x, M, K, codes, group_bytes, scales, offsets, num_groups, out, out_stride);
-  else matmul_impl<false>(x, M, K, codes, group_bytes, scales, offsets, num_groups, out, out_stride);
+  switch (layout) {
+    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ8Min: matmul_impl<Layout::kQ8Min>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ8K: matmul_impl<Layout::kQ8K>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ8K16: matmul_impl<Layout::kQ8K16>(x, M, w, num_groups, out, out_stride); break;
+  }
 }
 
 }  // namespace serval_kernels::quantized

@@ -28,6 +28,9 @@ inline Vec load(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit left shift
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 inline Vec load(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 8-bit integers (kWidth of them) as floats: the sub-block scales of k-quant weights.
+inline Vec load(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
+inline Vec load(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
 inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
 inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -72,6 +75,8 @@ inline Vec load(const at::BFloat16* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
 }
 inline Vec load(const at::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline Vec load(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))}; }
+inline Vec load(const int8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))}; }
 inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
 inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
@@ -124,6 +129,8 @@ inline Vec set1(float x) { SERVAL_LANES(x); }
 inline Vec load(const float* p) { SERVAL_LANES(p[i]); }
 inline Vec load(const at::BFloat16* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec load(const at::Half* p) { SERVAL_LANES(static_cast<float>(p[i])); }
+inline Vec load(const uint8_t* p) { SERVAL_LANES(static_cast<float>(p[i])); }
+inline Vec load(const int8_t* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec add(Vec a, Vec b) { SERVAL_LANES(a.v[i] + b.v[i]); }
 inline Vec sub(Vec a, Vec b) { SERVAL_LANES(a.v[i] - b.v[i]); }
 inline Vec mul(Vec a, Vec b) { SERVAL_LANES(a.v[i] * b.v[i]); }

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from serval.runner.quantization import BlockCodes
+
 QK_K = 256  # elements in a k-quant super-block
 K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in Q4_K / Q5_K
 
@@ -64,18 +66,20 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
+def _q5_codes(blocks: torch.Tensor, high_at: int) -> torch.Tensor:
+    # (num_blocks, 32) uint8 0..31: 32 high bits at byte high_at, then 16 bytes of low nibbles
+    return _nibbles(blocks[:, high_at + 4 :]) | (_bits(blocks[:, high_at : high_at + 4]) << 4)
+
+
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     # block: d (f16) | qh (32 high bits) | qs (16 bytes of low nibbles); x = d * (q - 16)
-    d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
-    return d * (q.to(torch.int8) - 16).float()
+    return _f16(blocks, 0) * (_q5_codes(blocks, 2).to(torch.int8) - 16).float()
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     # block: d (f16) | m (f16) | qh (32 high bits) | qs (16 bytes); x = d * q + m
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
-    return d * q.float() + m
+    return d * _q5_codes(blocks, 4).float() + m
 
 
 def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +89,7 @@ def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo_sc, lo_m, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales = torch.cat([lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 6) << 4)], dim=-1)
     mins = torch.cat([lo_m & 0x3F, (hi >> 4) | ((lo_m >> 6) << 4)], dim=-1)
-    return scales.float(), mins.float()  # (num_blocks, 8) each
+    return scales, mins  # (num_blocks, 8) uint8 each
 
 
 def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -95,40 +99,49 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 8, 32)
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # block: d (f16) | dmin (f16) | scales (12) | qs (128); sub-block j: x = d*sc_j*q - dmin*m_j
+def _k_codes(blocks: torch.Tensor, five_bit: bool) -> torch.Tensor:
+    # (num_blocks, 8, 32) uint8 codes of Q4_K (block: d | dmin | scales (12) | qs (128)) or Q5_K (block: d |
+    # dmin | scales (12) | qh (32) | qs (128), the fifth bit of element l of sub-block j is bit j of qh[l])
+    if not five_bit:
+        return _k_low_nibbles(blocks[:, 16:])
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    high = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1  # (num_blocks, 8, 32)
+    return _k_low_nibbles(blocks[:, 48:]) | (high << 4)
+
+
+def _k_quant(blocks: torch.Tensor, five_bit: bool) -> torch.Tensor:
+    # Q4_K / Q5_K sub-block j: x = d*sc_j*q - dmin*m_j
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     scales, mins = _k_scales_mins(blocks[:, 4:16])
-    dl = (d * scales).unsqueeze(-1)  # (num_blocks, 8, 1)
-    ml = (dmin * mins).unsqueeze(-1)
-    q = _k_low_nibbles(blocks[:, 16:]).float()  # (num_blocks, 8, 32)
-    return (dl * q - ml).reshape(-1, QK_K)
+    dl = (d * scales.float()).unsqueeze(-1)  # (num_blocks, 8, 1)
+    ml = (dmin * mins.float()).unsqueeze(-1)
+    return (dl * _k_codes(blocks, five_bit).float() - ml).reshape(-1, QK_K)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _k_quant(blocks, five_bit=False)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # block: d | dmin | scales (12) | qh (32) | qs (128); the fifth bit of element l of sub-block j is
-    # bit j of qh[l]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
-    dl = (d * scales).unsqueeze(-1)  # (num_blocks, 8, 1)
-    ml = (dmin * mins).unsqueeze(-1)
-    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
-    high = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1  # (num_blocks, 8, 32)
-    q = (_k_low_nibbles(blocks[:, 48:]) | (high << 4)).float()
-    return (dl * q - ml).reshape(-1, QK_K)
+    return _k_quant(blocks, five_bit=True)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    # block: ql (128) | qh (64) | scales (16 x int8) | d (f16); x = d * sc_g * (q - 32), g = 16 elements.
+def _q6_codes(blocks: torch.Tensor) -> torch.Tensor:
+    # (num_blocks, 256) int8 q - 32 of Q6_K (block: ql (128) | qh (64) | scales (16 x int8) | d (f16)).
     # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]: its low nibbles are elements 0-63,
     # high nibbles 64-127, and the 2-bit pairs of qh (bits 0-1, 2-3, 4-5, 6-7) top elements 0-31, 32-63, ...
-    d = _f16(blocks, 208)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     ql = blocks[:, :128].reshape(-1, 2, 1, 64)
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 128)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 2, 128)
-    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(-1, 16, 16)
+    return ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # x = d * sc_g * (q - 32), one int8 scale sc_g per 16 elements
+    d = _f16(blocks, 208)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    q = _q6_codes(blocks).float().reshape(-1, 16, 16)
     return ((d * scales).unsqueeze(-1) * q).reshape(-1, QK_K)
 
 
@@ -160,31 +173,68 @@ def is_supported(qtype: GGMLQuantizationType) -> bool:
     return qtype in _FLOAT_DTYPES or qtype in _BLOCK_DECODERS
 
 
-# Types whose blocks are d * q + m with q a 4-bit or 8-bit code: the quantized kernels' packed forms.
+# Types whose blocks are codes with a scale (and offset) per 16 or 32 weights: the quantized kernels'
+# packed forms (runner/quantization.py).
 BLOCK_CODE_TYPES = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
 )
 
 
-def block_codes(
-    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The codes of a Q4_0/Q4_1/Q8_0 matrix straight from its bytes, no float decode: (codes (rows, K/32, 32)
-    uint8 0..15 or int8, scale d (rows, K/32) fp16, offset m (rows, K/32) fp32 or None for 8-bit), with
-    w = d * q + m exactly what `dequantize` gives (Q4_0's m is -8d)."""
+def block_codes(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> BlockCodes:
+    """The codes and scales of a BLOCK_CODE_TYPES matrix straight from its bytes, no float decode, such that
+    w = d * q + m is exactly what `dequantize` gives (runner/quantization.py's BlockCodes says the shapes)."""
     qtype = GGMLQuantizationType(qtype)
     rows, cols = shape
     _, type_size = GGML_QUANT_SIZES[qtype]
     blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8).copy()).reshape(
         -1, type_size
     )
-    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, cols // 32)
-    if qtype == GGMLQuantizationType.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, cols // 32, 32), d, None
-    if qtype == GGMLQuantizationType.Q4_0:
-        return _nibbles(blocks[:, 2:]).reshape(rows, cols // 32, 32), d, -8 * d.float()
-    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, cols // 32).float()
-    return _nibbles(blocks[:, 4:]).reshape(rows, cols // 32, 32), d, m
+    per_row = (rows, -1)
+
+    def f16(start: int) -> torch.Tensor:
+        return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(per_row)
+
+    def codes(q: torch.Tensor) -> torch.Tensor:
+        return q.reshape(rows, cols // 32, 32)
+
+    Q = GGMLQuantizationType
+    if qtype == Q.Q8_0:
+        return BlockCodes(8, codes(blocks[:, 2:].contiguous().view(torch.int8)), f16(0))
+    if qtype == Q.Q4_0:  # w = d (q - 8): offset -8 d, exact in fp16
+        return BlockCodes(4, codes(_nibbles(blocks[:, 2:])), f16(0), (-8 * f16(0).float()).half())
+    if qtype == Q.Q4_1:
+        return BlockCodes(4, codes(_nibbles(blocks[:, 4:])), f16(0), f16(2))
+    if qtype == Q.Q5_0:  # 5-bit codes as int8 q - 16
+        return BlockCodes(8, codes(_q5_codes(blocks, 2).to(torch.int8) - 16), f16(0))
+    if qtype == Q.Q5_1:
+        return BlockCodes(8, codes(_q5_codes(blocks, 4).to(torch.int8)), f16(0), f16(2))
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d = D sc, m = -Dmin mn
+        scales, mins = _k_scales_mins(blocks[:, 4:16])
+        five_bit = qtype == Q.Q5_K
+        q = _k_codes(blocks, five_bit)
+        super_scales = torch.stack([f16(0), -f16(2)], dim=-1)  # (rows, K/256, 2)
+        return BlockCodes(
+            8 if five_bit else 4,
+            codes(q.to(torch.int8) if five_bit else q),
+            scales.reshape(per_row),
+            mins.reshape(per_row),
+            super_scales,
+        )
+    if qtype == Q.Q6_K:  # d = D sc per 16 weights, codes q - 32
+        d = f16(208)
+        super_scales = torch.stack([d, torch.zeros_like(d)], dim=-1)
+        scales = blocks[:, 192:208].contiguous().view(torch.int8).reshape(per_row)
+        return BlockCodes(8, codes(_q6_codes(blocks)), scales, None, super_scales)
+    raise UnsupportedQuantizationError(f"{qtype.name} has no packed form")
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from serval.runner.loader.dequant import (
     dequantize,
     is_supported,
 )
-from serval.runner.quantization import PackedWeight, pack_codes
+from serval.runner.quantization import PackedWeight, pack_block_codes
 
 # general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
 _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
@@ -235,8 +235,8 @@ def iter_gguf_weights(
     """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
 
     Pass the reader when the caller already opened the file: parsing the metadata takes seconds.
-    packed_forms: also put there, before yielding it, the packed 4/8-bit form (runner/quantization.py) of
-    each Q4_0/Q4_1/Q8_0 matrix, built from its bytes.
+    packed_forms: also put there, before yielding it, the packed form (runner/quantization.py) of each
+    matrix of a block type (Q4_0 ... Q6_K), built from its bytes.
     """
     reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
@@ -264,9 +264,8 @@ def iter_gguf_weights(
         if permuted:
             weight = _unpermute_rows(weight, heads_of[part])
         if packed_forms is not None and tensor.tensor_type in BLOCK_CODE_TYPES and len(shape) == 2:
-            codes, scale, low = block_codes(tensor.data, tensor.tensor_type, shape)
+            codes = block_codes(tensor.data, tensor.tensor_type, shape)
             if permuted:
-                codes, scale = _unpermute_rows(codes, heads_of[part]), _unpermute_rows(scale, heads_of[part])
-                low = None if low is None else _unpermute_rows(low, heads_of[part])
-            packed_forms[name] = pack_codes(codes, scale, low)
+                codes = codes.map_rows(lambda t, heads=heads_of[part]: _unpermute_rows(t, heads))
+            packed_forms[name] = pack_block_codes(codes)
         yield name, weight

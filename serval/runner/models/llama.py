@@ -158,8 +158,8 @@ class LlamaForCausalLM(nn.Module):
         def linear(module: Linear) -> list[torch.Tensor]:
             packed = module.packed if module.quantized_kernel is not None else None
             if packed is None:
-                return [module.weight, none, none, none]
-            return [module.weight, packed.codes, packed.scales, packed.offsets]
+                return [module.weight, none, none, none, none]
+            return [module.weight, packed.codes, packed.scales, packed.offsets, packed.super_scales]
 
         layers = []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
