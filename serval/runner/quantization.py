@@ -61,15 +61,25 @@ class PackedWeight:
 
     def matmul(self, quantized_linear, x: torch.Tensor) -> torch.Tensor:  # x (M, K) -> (M, N), x's dtype
         """quantized_linear: the native kernel (kernels.quantized_linear)."""
-        return quantized_linear(x, self.codes, self.scales, self.offsets, self.super_scales, self.out_features)
+        return quantized_linear(
+            x, self.codes, self.scales, self.offsets, self.super_scales, self.out_features
+        )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.super_scales))
+        return sum(
+            t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.super_scales)
+        )
 
     def layout_key(self) -> tuple:
         """What must agree for two packed matrices to be stacked row-wise into one."""
-        return (self.bits, self.scales.dtype, self.scales.shape[1:], self.offsets.shape[1:], self.super_scales.shape[1:])
+        return (
+            self.bits,
+            self.scales.dtype,
+            self.scales.shape[1:],
+            self.offsets.shape[1:],
+            self.super_scales.shape[1:],
+        )
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, K) fp32
         """Rows of the matrix, dequantized exactly (an embedding lookup from the packed form)."""

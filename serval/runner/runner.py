@@ -36,7 +36,7 @@ class RunnerInfo:
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
-    packed_weights: bool = False  # the 4/8-bit matrices run from their packed form (runner/quantization.py)
+    packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
     num_threads: int = 1
 
     @property
@@ -77,7 +77,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packable_weights: bool) -> bool:
-    """Whether matrices with an exact 4/8-bit form (GGUF Q4_0/Q4_1/Q8_0) run packed in the native kernels.
+    """Whether a GGUF's block-quantized matrices (Q4_0 ... Q6_K) run packed in the native kernels.
 
     Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would

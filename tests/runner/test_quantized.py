@@ -162,7 +162,9 @@ def test_quantized_matmul_refuses_inconsistent_packed_tensors(kernels):
     packed = pack_block_codes(block_codes(raw, GGMLQuantizationType.Q4_K, (32, 256)))
     x = torch.randn(1, 256)
     with pytest.raises(RuntimeError, match="super-block"):
-        kernels.quantized_linear(x, packed.codes, packed.scales, packed.offsets, packed.super_scales[:, :, :1], 32)
+        kernels.quantized_linear(
+            x, packed.codes, packed.scales, packed.offsets, packed.super_scales[:, :, :1], 32
+        )
     with pytest.raises(RuntimeError, match="codes vs x"):
         kernels.quantized_linear(torch.randn(1, 512), packed.codes, packed.scales, packed.offsets,
                                  packed.super_scales, 32)  # fmt: skip

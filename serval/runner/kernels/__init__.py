@@ -116,7 +116,7 @@ UNBOUNDED_ROWS = 2**62
 
 
 def packed_rows_limit(kernels) -> int:
-    """Up to how many rows of x a matmul with packed 4/8-bit weights runs in the quantized kernel.
+    """Up to how many rows of x a matmul with packed low-bit weights runs in the quantized kernel.
 
     With AVX512-BF16 oneDNN's bf16 matmul beats it past 8 rows (docs/benchmarks.md), so larger batches use
     the model's bf16 weights there; elsewhere PyTorch's bf16 matmul is slow (no native bf16 dot products) and

@@ -16,7 +16,7 @@ from serval.runner.models.registry import model_class
 from serval.runner.quantization import LowBitPacker
 
 # Streams the weights with Hugging Face names; given a dict, a reader that can also fills it with the packed
-# 4/8-bit forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor.
+# forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor.
 WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
@@ -69,8 +69,9 @@ def load_model(
     pack_low_bit: bool = False,
     release_packed_dense: bool = False,
 ) -> torch.nn.Module:
-    """pack_low_bit: also keep the exact 4/8-bit packed form of weights that have one (GGUF Q4_0/Q4_1/Q8_0
-    tensors), found on each fp32 tensor as it streams in, for the quantized CPU kernels.
+    """pack_low_bit: also keep the exact packed form of weights that have one (GGUF block types Q4_0 ... Q6_K,
+    read from the file's blocks; Q4_0/Q4_1/Q8_0-shaped fp32 values of other checkpoints) for the quantized
+    CPU kernels.
     release_packed_dense: the packed kernels serve every batch size, so a packed matrix's dense copy is
     freed as soon as the matrix is complete."""
     cls = model_class(arch.architecture)
