@@ -113,6 +113,9 @@ class Tokenizer:
             [i for i, token in added.items() if token.special]
             + [*_unique([bos_token_id]), *self.eos_token_ids]
         )
+        # The texts encode() turns into special tokens and encode_plain() never does (ChatTemplate needs them
+        # to tell client strings that could spell one from those that cannot).
+        self.special_token_texts: frozenset[str] = frozenset(t.content for t in added.values() if t.special)
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
