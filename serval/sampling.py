@@ -7,9 +7,11 @@ here but acted on in `serving`; the engine and runner only read the token-level 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +100 all but forces a token, -100 all but bans it
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    # Added to the logits before anything else (logprobs included, as OpenAI reports them): (token id, bias)
+    # pairs, sorted; a {token_id: bias} dict is accepted and frozen into them. Ids are checked against the
+    # model's vocabulary by the engine.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Beam search (engine/beam_search.py): best_of beams (n when best_of is unset), n returned, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0  # score = cumulative logprob / generated length ** length_penalty
@@ -46,6 +52,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((_token_id(t), float(b)) for t, b in bias)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -77,6 +85,19 @@ class SamplingParams:
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        token_ids = [token_id for token_id, _ in self.logit_bias]
+        if any(token_id < 0 for token_id in token_ids):
+            raise ValueError(f"logit_bias token ids must be non-negative, got {min(token_ids)}")
+        if len(set(token_ids)) != len(token_ids):
+            raise ValueError("logit_bias names a token id twice")
+        for token_id, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias of token {token_id} must be in [-100, 100], got {bias}")
+        if self.logit_bias and self.use_beam_search:
+            raise ValueError("logit_bias does not apply to beam search (beams are ranked by raw logprobs)")
 
     @property
     def beam_width(self) -> int:
@@ -86,3 +107,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         # temperature 0 or top_k 1 both mean "always the most likely token".
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _token_id(key: int | str) -> int:
+    # An int, or its decimal string (a JSON object's key); never a float or bool silently truncated.
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f"logit_bias keys must be token ids, got {key!r}")
+    return int(key)

@@ -34,6 +34,7 @@ from serval.serving.choices import keep_best
 from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
 from serval.serving.frontend import Frontend
 from serval.serving.stream import ChoiceDelta, Completion, Event, Usage, fold
+from serval.serving.template_roles import accepted_roles
 
 T = TypeVar("T")
 
@@ -82,6 +83,10 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     facts = model_facts(config.model_name, frontend.runner_info, frontend.max_model_len)
     metrics = Metrics(frontend.stats, facts)
     started = int(time.time())
+    # What a request may name: the roles the chat template accepts, and token ids (logit_bias) that both the
+    # tokenizer can decode and the model's logits hold.
+    roles = accepted_roles(frontend.template_source)
+    vocab_size = min(frontend.tokenizer.vocab_size, frontend.runner_info.vocab_size)
     install_error_handlers(app)
 
     def check_model(name: str | None) -> str:
@@ -137,8 +142,8 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         req.check_chat_features(chat)
         options = chat_options(chat)
         is_stream = bool(chat.stream)
-        params = req.chat_sampling_params(chat, is_stream)
-        messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message)
+        params = req.chat_sampling_params(chat, is_stream, vocab_size)
+        messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message, roles)
         prompt, output, num_pinned = await frontend.prepare_chat(
             messages,
             options,
@@ -187,7 +192,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
                 400, "echo with logprobs would need prompt logprobs, which are not computed", "echo"
             )
         is_stream = bool(body.stream)
-        params = req.completion_sampling_params(body, is_stream)
+        params = req.completion_sampling_params(body, is_stream, vocab_size)
         prompts = []
         for prompt in req.completion_prompts(body.prompt):
             if isinstance(prompt, str):
@@ -254,7 +259,9 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            messages, continue_final = req.template_messages(body.messages, body.continue_final_message)
+            messages, continue_final = req.template_messages(
+                body.messages, body.continue_final_message, roles
+            )
             tokens = frontend.render_chat(
                 messages,
                 add_generation_prompt=body.add_generation_prompt is not False,

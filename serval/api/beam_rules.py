@@ -59,6 +59,8 @@ def beam_search_fields(request: SamplingFields, constrained_by: str | None = Non
             "beam search ranks beams by log-probability: repetition_penalty does not apply",
             "repetition_penalty",
         )
+    if request.logit_bias:
+        raise invalid("beam search ranks beams by log-probability: logit_bias does not apply", "logit_bias")
     stopping = request.early_stopping
     if not (stopping is None or isinstance(stopping, bool) or stopping == "never"):
         raise invalid('early_stopping must be true, false or "never"', "early_stopping")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 MAX_STOP_CHARS = 32 * 1024
+MAX_MESSAGES_CHARS = 4 * 1024 * 1024  # MindIE: the messages' text is at most 4 MB, whatever the body limit
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
 
@@ -76,6 +77,9 @@ class SamplingFields(Schema):
     skip_special_tokens: bool | None = None
     ignore_eos: bool | None = None
     max_tokens: PositiveInt32 | None = None
+    # OpenAI's {"token id": bias in [-100, 100]}: keys and values checked in requests.py, so that the error
+    # names the key; ids are checked against the served model's vocabulary there.
+    logit_bias: dict[str, Any] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None

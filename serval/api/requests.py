@@ -2,31 +2,40 @@
 
 Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of >= n and equal to n in a
 stream, n > 1 needs temperature > 0, ...; tools, tool_choice and response_format are in chat_options.py),
-and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search, code
-interpreter, audio output; beam search's own rules are in beam_rules.py). Every refusal is an APIError naming the parameter. Also where a
-cache_control marker (explicit prompt caching) ends the prefix to pin.
+the rules that need the served model (a message role its template accepts, logit_bias ids inside its
+vocabulary), and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search,
+code interpreter, audio output; beam search's own rules are in beam_rules.py). Every refusal is an APIError
+naming the parameter. Also where a cache_control marker (explicit prompt caching) ends the prefix to pin.
+Single-field ranges are in openai.py's schemas; docs/api.md lists each with the spec it comes from.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from serval.api.beam_rules import beam_search_fields, check_not_beam_only
 from serval.api.errors import invalid, unsupported
 from serval.api.openai import (
     INT32_MAX,
+    MAX_MESSAGES_CHARS,
     MAX_STOP_CHARS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
-from serval.sampling import SamplingParams
+from serval.sampling import MAX_LOGIT_BIAS, SamplingParams
+from serval.serving.template_roles import STANDARD_ROLES
 
 MEDIA_PART_TYPES = frozenset(
     {"image_url", "video_url", "audio_url", "input_audio", "video", "image", "audio"}
 )
+# A logit_bias key: a token id in decimal, one spelling per id (no sign, no leading zeros), at most ten digits
+# so that no key is ever turned into a huge int.
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 # ---- messages
@@ -100,15 +109,31 @@ def _tool_call_dict(call: Any) -> dict[str, Any]:
 
 
 def template_messages(
-    messages: list[ChatMessage], continue_final_message: bool | None = None
+    messages: list[ChatMessage],
+    continue_final_message: bool | None = None,
+    roles: frozenset[str] = STANDARD_ROLES,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """The messages as the chat template sees them, and whether the final one is to be continued."""
+    """The messages as the chat template sees them, and whether the final one is to be continued.
+    roles: the roles the served template accepts (serving/template_roles.py); any other is a 400."""
     if not messages:
         raise invalid("messages must not be empty", "messages")
+    num_chars = 0
     result = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
+        if message.role not in roles:
+            raise invalid(
+                f"{where}.role {message.role[:64]!r} is not a role this model accepts "
+                f"(one of {', '.join(sorted(roles))})",
+                f"{where}.role",
+            )
         text = _content_text(message, where)
+        num_chars += len(text or "")
+        if num_chars > MAX_MESSAGES_CHARS:
+            raise invalid(
+                f"messages hold more than {MAX_MESSAGES_CHARS} characters of content (MindIE: at most 4 MB)",
+                "messages",
+            )
         has_tool_calls = bool(message.tool_calls)
         if message.role == "assistant" and has_tool_calls:
             text = text or ""
@@ -192,17 +217,47 @@ def stop_token_ids(value: list[Any] | None) -> tuple[int, ...]:
     )
 
 
+def logit_bias(value: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias}: each id below vocab_size, each bias a number in [-100, 100].
+    A bad entry is a 400 on `logit_bias` whose message names the key."""
+    entries = []
+    for key, bias in (value or {}).items():
+        shown = repr(key[:32]) + ("..." if len(key) > 32 else "")
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise invalid(
+                f'logit_bias key {shown} is not a token id (digits without sign or leading zeros, e.g. "1234")',
+                "logit_bias",
+            )
+        if int(key) >= vocab_size:
+            raise invalid(
+                f"logit_bias key {shown} is outside the model's vocabulary: token ids are in [0, {vocab_size})",
+                "logit_bias",
+            )
+        # NOTE: the value is not echoed: a 5,000-digit integer would not even print.
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise invalid(f"logit_bias[{shown}] must be a number, not {type(bias).__name__}", "logit_bias")
+        # The range first: a huge int compares fine but does not convert to a float.
+        if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS and math.isfinite(bias)):
+            raise invalid(
+                f"logit_bias[{shown}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias"
+            )
+        entries.append((int(key), float(bias)))
+    return tuple(sorted(entries))
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
     is_stream: bool,
+    vocab_size: int,
     constrained_by: str | None = None,
 ) -> SamplingParams:
-    """constrained_by: the chat parameter that puts a grammar on the output (tools, response_format)."""
+    """vocab_size: token ids below it exist (logit_bias keys are checked against it).
+    constrained_by: the chat parameter that puts a grammar on the output (tools, response_format)."""
     if request.use_beam_search:
         fields = beam_search_fields(request, constrained_by)
-        return _build(request, max_tokens, logprobs, **fields)
+        return _build(request, max_tokens, logprobs, vocab_size, **fields)
     check_not_beam_only(request)
     n = request.n or 1
     best_of = request.best_of
@@ -217,10 +272,13 @@ def sampling_params(
         raise invalid(
             "n and best_of above 1 need temperature > 0 (greedy choices would be identical)", "temperature"
         )
-    return _build(request, max_tokens, logprobs, n=n, best_of=best_of, temperature=temperature)
+    return _build(request, max_tokens, logprobs, vocab_size, n=n, best_of=best_of, temperature=temperature)
 
 
-def _build(request: SamplingFields, max_tokens: int | None, logprobs: int | None, **fields) -> SamplingParams:
+def _build(
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int, **fields
+) -> SamplingParams:
+    bias = logit_bias(request.logit_bias, vocab_size)
     try:
         return SamplingParams(
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -238,13 +296,14 @@ def _build(request: SamplingFields, max_tokens: int | None, logprobs: int | None
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
+            logit_bias=bias,
             **fields,
         )
     except ValueError as e:
         raise invalid(str(e), None) from e
 
 
-def chat_sampling_params(request: ChatCompletionRequest, is_stream: bool) -> SamplingParams:
+def chat_sampling_params(request: ChatCompletionRequest, is_stream: bool, vocab_size: int) -> SamplingParams:
     # max_completion_tokens (Alibaba, OpenAI) and max_tokens (MindIE) both cap the answer; the smaller wins.
     caps = [c for c in (request.max_tokens, request.max_completion_tokens) if c is not None]
     logprobs = None
@@ -258,13 +317,17 @@ def chat_sampling_params(request: ChatCompletionRequest, is_stream: bool) -> Sam
         constrained_by = "tools"
     elif request.response_format and request.response_format.get("type") != "text":
         constrained_by = "response_format"
-    return sampling_params(request, min(caps) if caps else None, logprobs, is_stream, constrained_by)
+    return sampling_params(
+        request, min(caps) if caps else None, logprobs, is_stream, vocab_size, constrained_by
+    )
 
 
-def completion_sampling_params(request: CompletionRequest, is_stream: bool) -> SamplingParams:
+def completion_sampling_params(
+    request: CompletionRequest, is_stream: bool, vocab_size: int
+) -> SamplingParams:
     # The legacy endpoint's default is OpenAI's: 16 tokens.
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
-    return sampling_params(request, max_tokens, request.logprobs, is_stream)
+    return sampling_params(request, max_tokens, request.logprobs, is_stream, vocab_size)
 
 
 def with_template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:

@@ -89,6 +89,8 @@ class Engine:
         vocab_size = self.runner.info.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(t >= vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         lora = None if lora_name is None else self.loras.get(lora_name)
         if params.use_beam_search:
             if constraint is not None:
@@ -390,6 +392,7 @@ def _sampling_row(request: Request) -> SamplingRow:
         output_token_ids=request.output_token_ids if needs_history else [],
         prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         banned_token_ids=banned,
+        logit_bias=list(p.logit_bias),
         allowed_token_bitmask=(
             request.constraint.allowed_token_bitmask() if request.constraint is not None else None
         ),

@@ -27,6 +27,9 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
     prompt_token_ids: list[int] = field(default_factory=list)  # with the outputs, for repetition_penalty
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while under min_tokens
+    # The request's logit_bias, (token id, bias) pairs with ids below the vocab size: added to the raw logits
+    # before anything else, so logprobs include it (as OpenAI's do).
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
     # The engine fills it from the request's constraint (a grammar): (ceil(V / 32),) int32, bit j of word i
     # allows token 32 * i + j; None allows every token. Ids past its width (a model vocab wider than the
     # tokenizer's) are not allowed.

@@ -1,10 +1,11 @@
 """The token sampler: every sampled sequence of a step in one batched pass over (num_rows, vocab) logits.
 
-Order of operations follows vLLM: raw logprobs are taken first (what `logprobs` reports), then penalties,
-bans, the allowed-token masks of constrained rows (grammars), temperature, top-k, top-p, min-p, and the
-draw. The draw is a race of exponentials (argmax p_i / E_i with E_i ~ Exp(1) is a sample from p), so a
-seeded row only needs its own vector of noise from its own generator: its tokens don't depend on what else
-shares the batch.
+Order of operations follows vLLM, with OpenAI's logit_bias first: the bias is added to the model's logits and
+logprobs are taken from the biased logits (what `logprobs` reports: as OpenAI's, they include the bias but no
+penalty, temperature or truncation), then come penalties, bans, the allowed-token masks of constrained rows
+(grammars), temperature, top-k, top-p, min-p, and the draw. The draw is a race of exponentials (argmax
+p_i / E_i with E_i ~ Exp(1) is a sample from p), so a seeded row only needs its own vector of noise from its
+own generator: its tokens don't depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Sampler:
         vocab_size = logits.shape[1]
         device = logits.device
         want_logprobs = any(r.num_logprobs is not None for r in rows)
+        logits = _apply_logit_bias(logits, rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         logits = self._apply_penalties(logits, rows)
@@ -97,6 +99,19 @@ class Sampler:
                 # there, so the stream of a seed is the same on every device, then move.
                 noise[i] = torch.empty(vocab_size).exponential_(generator=r.generator).to(device)
         return noise
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's biases added to its logits, every row's in one scatter."""
+    if not any(r.logit_bias for r in rows):
+        return logits
+    row_index = [i for i, r in enumerate(rows) for _ in r.logit_bias]
+    token_ids = [token_id for r in rows for token_id, _ in r.logit_bias]
+    biases = [bias for r in rows for _, bias in r.logit_bias]
+    device = logits.device
+    index = (torch.tensor(row_index, device=device), torch.tensor(token_ids, device=device))
+    # Out of place: the caller's logits stay as the model produced them.
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_allowed_masks(

@@ -134,3 +134,50 @@ def test_a_grammar_outranks_a_ban_that_would_leave_nothing():
     logits = torch.randn(1, 40)
     out = _sampler()(logits, [_row(banned_token_ids=[5], allowed_token_bitmask=_bitmask([5], 2))])
     assert out.token_ids == [5]
+
+
+def test_logit_bias_plus_100_forces_a_token():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 5
+    target = int(logits[0].argmin())  # the least likely token
+    bias = [(target, 100.0)]
+    assert _sampler()(logits, [_row(temperature=0.0, logit_bias=bias)]).token_ids == [target]
+    assert _draw_many(logits[0], {"logit_bias": bias}) == {target}  # sampled at temperature 1 too
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50) * 5
+    first, second = logits[0].topk(2).indices.tolist()
+    out = _sampler()(logits, [_row(temperature=0.0, logit_bias=[(first, -100.0)])])
+    assert out.token_ids == [second]
+    assert first not in _draw_many(logits[0], {"logit_bias": [(first, -100.0)]})
+
+
+def test_logit_bias_is_per_row_and_leaves_the_callers_logits_alone():
+    logits = torch.tensor([[3.0, 1.0, 0.0, 0.0]]).repeat(3, 1)
+    before = logits.clone()
+    rows = [
+        _row(temperature=0.0, logit_bias=[(2, 100.0)]),
+        _row(temperature=0.0),
+        _row(temperature=0.0, logit_bias=[(0, -100.0), (3, 1.5)]),
+    ]
+    assert _sampler()(logits, rows).token_ids == [2, 0, 3]
+    assert torch.equal(logits, before)
+
+
+def test_logprobs_include_the_bias_but_not_the_temperature():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    row = _row(temperature=0.5, num_logprobs=2, logit_bias=[(3, 10.0), (2, -1.5)])
+    out = _sampler()(logits, [row])
+    expected = torch.log_softmax(logits + torch.tensor([[0.0, 0.0, -1.5, 10.0]]), -1)[0]
+    chosen = out.token_ids[0]
+    assert math.isclose(out.logprobs[0], expected[chosen].item(), rel_tol=1e-6)
+    assert [t for t, _ in out.top_logprobs[0]] == [3, 1]
+    assert math.isclose(out.top_logprobs[0][0][1], expected[3].item(), rel_tol=1e-6)
+
+
+def test_a_grammar_outranks_a_plus_100_bias():
+    logits = torch.randn(1, 40)
+    row = _row(temperature=0.0, logit_bias=[(7, 100.0)], allowed_token_bitmask=_bitmask([5, 9], 2))
+    assert _sampler()(logits, [row]).token_ids[0] in (5, 9)
