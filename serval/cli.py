@@ -20,7 +20,7 @@ from typing import Any
 
 from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
-from serval.server_config import ServerConfig, read_mindie_config
+from serval.server_config import ServerConfig, lora_root_directory, read_mindie_config
 from serval.serving.chat_template import ChatTemplate
 from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
@@ -72,6 +72,9 @@ def _add_lora_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, help="adapters loaded at once (default 4)")
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
     p.add_argument("--admin-api-key", action="append", help="bearer token of the admin routes; repeatable")
+    p.add_argument(
+        "--lora-root", help="directory /v1/load_lora_adapter may load from (default: no run-time loads)"
+    )
 
 
 def _add_serve_parser(subparsers: Any) -> None:
@@ -182,6 +185,7 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
     fields["api_keys"] = tuple(options.get("api_key") or ())
     fields["admin_api_keys"] = tuple(options.get("admin_api_key") or ())
+    fields["lora_root"] = lora_root_directory(options.get("lora_root"))
     for module in options.get("lora_modules") or ():
         if module.name in fields["served_model_names"]:
             raise ValueError(f"the LoRA module {module.name!r} has the base model's name")

@@ -29,6 +29,10 @@ class ServerConfig:
     # Bearer tokens for the admin routes (run-time LoRA loading), also accepted as API keys. With no key of
     # either kind the admin routes are open; with API keys but no admin key they are closed.
     admin_api_keys: tuple[str, ...] = ()
+    # The directory run-time LoRA loads (/v1/load_lora_adapter) read from, resolved (lora_root_directory);
+    # a path that resolves outside it is refused. None: run-time loading is off. Start-up adapters
+    # (--lora-modules) are the operator's and may be anywhere.
+    lora_root: str | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     # Largest request body accepted (MindIE: messages up to 4 MB); beyond it the answer is 413.
@@ -70,6 +74,15 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+
+def lora_root_directory(path: str | None) -> str | None:
+    """--lora-root as ServerConfig holds it: the real path of an existing directory (ValueError otherwise)."""
+    if path is None:
+        return None
+    if not path or not os.path.isdir(path):
+        raise ValueError(f"--lora-root {path!r} is not a directory")
+    return os.path.realpath(path)
 
 
 def _section(data: dict[str, Any], name: str, *parents: str) -> dict[str, Any]:
@@ -159,6 +172,12 @@ def read_mindie_config(path: str) -> dict[str, Any]:
     lora_modules = deploy.get("LoraModules", data.get("LoraModules"))
     if lora_modules is not None:
         options["lora_modules"] = _lora_modules(lora_modules, base_dir)
+    # Not a MindIE key: serval's --lora-root, beside LoraModules (or at the top level).
+    lora_root = _typed(deploy, "LoraRoot", str, "ModelDeployConfig")
+    if lora_root is None:
+        lora_root = _typed(data, "LoraRoot", str, "config")
+    if lora_root is not None:
+        options["lora_root"] = _relative_to(base_dir, lora_root)
     return {key: value for key, value in options.items() if value is not None}
 
 

@@ -2,9 +2,10 @@
 bodies and answers), and the /v1/models card of an adapter.
 
 Owns those bodies and answers. Who may call the routes is auth.py's (ADMIN_PATHS: an admin key once any key
-is configured); the adapter files are read and checked below `serving`, and every refusal comes back in the
-OpenAI error shape: 400 for a bad body or adapter, 404 for an unknown name, 409 when every slot is taken or
-the adapter is still in use.
+is configured); where a load may read (only under --lora-root) and the adapter files are checked below
+`serving`, and every refusal comes back in the OpenAI error shape: 400 for a bad body, a path outside the root
+or a bad adapter, 404 for an unknown name, 409 when every slot is taken or the adapter is still in use. No
+answer names an adapter's path on the server.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 
 class LoadLoraAdapterRequest(Schema):
     lora_name: NonEmpty
-    lora_path: NonEmpty  # a PEFT directory on the server's file system
+    lora_path: NonEmpty  # a PEFT directory under the server's --lora-root (absolute, or relative to it)
     base_model_name: str | None = None  # the `parent` /v1/models reports; default: the served model
 
 
@@ -48,7 +49,9 @@ def lora_model_card(card: LoraCard, config: ServerConfig, created: int, max_mode
         "object": "model",
         "created": created,
         "owned_by": "serval",
-        "root": card.path,
+        # NOTE: vLLM puts the adapter's path here; a client has no use for it and it tells how the server's
+        # disk is laid out, so the root of an adapter is its own name.
+        "root": card.name,
         "parent": card.base_model_name or config.model_name,
         "max_model_len": max_model_len,
     }
@@ -60,7 +63,9 @@ def add_lora_routes(app: FastAPI, config: ServerConfig, frontend: Frontend) -> N
         body = parse(LoadLoraAdapterRequest, await read_body(request, config.max_request_body_bytes))
         if body.lora_name in config.served_model_names:
             raise APIError(400, f"{body.lora_name!r} is the base model's name", "lora_name", "invalid_value")
-        await frontend.loras.load(body.lora_name, body.lora_path, body.base_model_name)
+        await frontend.loras.load_from_root(
+            config.lora_root, body.lora_name, body.lora_path, body.base_model_name
+        )
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post(UNLOAD_PATH)

@@ -108,3 +108,24 @@ def test_admin_keys_from_flags_and_environment(monkeypatch):
     monkeypatch.setenv("SERVAL_ADMIN_API_KEY", "x,y")
     assert server_config(options(), "m").admin_api_keys == ("x", "y")
     assert server_config(options("--admin-api-key", "z"), "m").admin_api_keys == ("z",)
+
+
+def test_lora_root_from_the_flag_and_the_file(tmp_path):
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "adapters")
+    assert server_config(options(), "m").lora_root is None  # no run-time loads unless asked for
+    # Held resolved, so a later symlink swap of the root itself changes nothing.
+    assert server_config(options("--lora-root", str(tmp_path / "link")), "m").lora_root == str(
+        (tmp_path / "adapters").resolve()
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {"LoraRoot": "adapters"}}}))
+    assert read_mindie_config(str(path))["lora_root"] == str(tmp_path / "adapters")
+    assert server_config(options("--config", str(path)), "m").lora_root == str(
+        (tmp_path / "adapters").resolve()
+    )
+    with pytest.raises(ValueError, match="not a directory"):
+        server_config(options("--lora-root", str(tmp_path / "missing")), "m")
+    path.write_text(json.dumps({"LoraRoot": 3}))
+    with pytest.raises(ValueError, match="must be a str"):
+        read_mindie_config(str(path))

@@ -1,7 +1,10 @@
 """The LoRA routes in-process over the scripted engine: model selection, /v1/models, load/unload bodies and
-errors (a table of 4xx cases), and who may call the admin routes. tests/e2e/test_lora.py runs the real model."""
+errors (a table of 4xx cases), loads only from under --lora-root, and who may call the admin routes.
+tests/e2e/test_lora.py runs the real model."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -16,8 +19,19 @@ def chat(model: str) -> dict:
 
 
 @pytest.fixture
-def adapter_dir(tmp_path) -> str:
-    return str(tmp_path)
+def lora_root(tmp_path) -> str:
+    (tmp_path / "adapters" / "sql").mkdir(parents=True)
+    return str(tmp_path / "adapters")
+
+
+@pytest.fixture
+def adapter_dir(lora_root) -> str:
+    return os.path.join(lora_root, "sql")
+
+
+@pytest.fixture
+def client(make_client, lora_root):
+    return make_client(lora_root=lora_root)
 
 
 def test_model_names_an_adapter_or_the_base_model(client, adapter_dir):
@@ -40,7 +54,7 @@ def test_models_lists_adapters_with_their_parent(client, adapter_dir):
     cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
     assert list(cards) == [MODEL, "a", "b"]
     assert cards[MODEL]["parent"] is None
-    assert cards["b"]["parent"] == MODEL and cards["b"]["root"] == adapter_dir
+    assert cards["b"]["parent"] == MODEL and cards["b"]["root"] == "b"  # its name: never a server path
     assert cards["a"]["parent"] == "declared"
     assert client.get("/v1/models/b").json() == cards["b"]
     assert client.post(UNLOAD, json={"lora_name": "b"}).status_code == 200
@@ -53,19 +67,53 @@ def test_models_lists_adapters_with_their_parent(client, adapter_dir):
 BAD_LOADS = [
     ({}, 400, "lora_name"),
     ({"lora_name": "x"}, 400, "lora_path"),
-    ({"lora_name": "", "lora_path": "/tmp"}, 400, "lora_name"),
+    ({"lora_name": "", "lora_path": "sql"}, 400, "lora_name"),
     ({"lora_name": "x", "lora_path": 3}, 400, "lora_path"),
-    ({"lora_name": MODEL, "lora_path": "/tmp"}, 400, "lora_name"),  # the base model's name
-    ({"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 400, None),  # not an adapter
-    ({"lora_name": "taken", "lora_path": "/tmp"}, 400, None),  # already loaded
+    ({"lora_name": MODEL, "lora_path": "sql"}, 400, "lora_name"),  # the base model's name
+    ({"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 400, "lora_path"),  # outside the root
+    ({"lora_name": "x", "lora_path": "/tmp"}, 400, "lora_path"),  # a parent of the root
+    ({"lora_name": "x", "lora_path": "../.."}, 400, "lora_path"),
+    ({"lora_name": "x", "lora_path": "missing"}, 400, "lora_path"),  # under the root, but not there
+    ({"lora_name": "x", "lora_path": "sql\u0000"}, 400, "lora_path"),
+    ({"lora_name": "taken", "lora_path": "sql"}, 400, None),  # already loaded
 ]
 BAD_UNLOADS = [({}, 400, "lora_name"), ({"lora_name": "unknown"}, 404, "lora_name")]
 
 
 @pytest.mark.parametrize(("payload", "status", "param"), BAD_LOADS)
-def test_bad_loads(client, adapter_dir, payload, status, param):
+def test_bad_loads(client, lora_root, adapter_dir, payload, status, param):
     assert client.post(LOAD, json={"lora_name": "taken", "lora_path": adapter_dir}).status_code == 200
-    check_error(client.post(LOAD, json=payload), status, param)
+    response = client.post(LOAD, json=payload)
+    check_error(response, status, param)
+    assert lora_root not in response.text and os.path.dirname(lora_root) not in response.text
+
+
+def test_adapters_load_by_a_path_relative_to_the_root_or_absolute_inside_it(client, lora_root, adapter_dir):
+    assert client.post(LOAD, json={"lora_name": "rel", "lora_path": "sql"}).status_code == 200
+    assert (
+        client.post(LOAD, json={"lora_name": "abs", "lora_path": f"{lora_root}/x/../sql"}).status_code == 200
+    )
+    assert {card.path for card in client.engine.loras.values()} == {os.path.realpath(adapter_dir)}
+
+
+def test_a_symlink_out_of_the_root_is_refused(client, lora_root, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", os.path.join(lora_root, "escape"))
+    error = check_error(client.post(LOAD, json={"lora_name": "x", "lora_path": "escape"}), 400, "lora_path")
+    assert "outside the LoRA root" in error["message"] and str(tmp_path) not in error["message"]
+    # A file inside an adapter directory that links out is refused too: it would be read from outside.
+    (tmp_path / "secret").write_text("{}")
+    os.symlink(tmp_path / "secret", os.path.join(lora_root, "sql", "adapter_config.json"))
+    check_error(client.post(LOAD, json={"lora_name": "x", "lora_path": "sql"}), 400, "lora_path")
+
+
+def test_without_a_root_nothing_loads_at_run_time(make_client, adapter_dir):
+    client = make_client()
+    error = check_error(
+        client.post(LOAD, json={"lora_name": "x", "lora_path": adapter_dir}), 400, "lora_path"
+    )
+    assert "--lora-root" in error["message"] and adapter_dir not in error["message"]
+    assert client.engine.loras == {}
 
 
 @pytest.mark.parametrize(("payload", "status", "param"), BAD_UNLOADS)
@@ -99,9 +147,9 @@ AUTH_CASES = [
 
 @pytest.mark.parametrize(("api_keys", "admin_keys", "bearer", "admin_status", "user_status"), AUTH_CASES)
 def test_admin_routes_need_an_admin_key(
-    make_client, adapter_dir, api_keys, admin_keys, bearer, admin_status, user_status
+    make_client, lora_root, adapter_dir, api_keys, admin_keys, bearer, admin_status, user_status
 ):
-    client = make_client(api_keys=api_keys, admin_api_keys=admin_keys)
+    client = make_client(api_keys=api_keys, admin_api_keys=admin_keys, lora_root=lora_root)
     headers = {} if bearer is None else {"Authorization": f"Bearer {bearer}"}
     response = client.post(LOAD, headers=headers, json={"lora_name": "a", "lora_path": adapter_dir})
     assert response.status_code == admin_status, response.text

@@ -1,8 +1,12 @@
 """A real `serval serve` of the tiny llama with LoRA adapters, driven by the `openai` client: an adapter
-declared with --lora-modules, another loaded and unloaded at run time by an admin, greedy outputs equal to
-transformers + peft, and every KV block free at the end."""
+declared with --lora-modules, another loaded and unloaded at run time by an admin (only from under
+--lora-root, and no answer names a server path), greedy outputs equal to transformers + peft, and every KV
+block free at the end."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import httpx
 import pytest
@@ -23,14 +27,24 @@ def auth(key: str = USER_KEY) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory, tiny_model_factory, tiny_lora_factory):
+def lora_root(tmp_path_factory, tiny_lora_factory) -> str:
+    """The server's --lora-root: a copy of the "partial" adapter, and a directory that is not an adapter."""
+    root = tmp_path_factory.mktemp("lora-root")
+    shutil.copytree(tiny_lora_factory("partial")[0], root / "partial")
+    (root / "not-an-adapter").mkdir()
+    (root / "not-an-adapter" / "adapter_config.json").write_text('{"r": "eight"}')
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, tiny_model_factory, tiny_lora_factory, lora_root):
     directory, _ = tiny_model_factory("llama", False)
     full_path, _ = tiny_lora_factory("full")
     log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
     server = launch(
         ["--model", directory, "--served-model-name", BASE, "--dtype", "float32", "--lora-modules",
          f"full={full_path}", "--max-loras", "2", "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY,
-         "--num-kv-blocks", "64", "--log-level", "warning"],
+         "--lora-root", lora_root, "--num-kv-blocks", "64", "--log-level", "warning"],
         str(log_path),
     )  # fmt: skip
     try:
@@ -80,10 +94,15 @@ def unload(server, name: str, key: str = ADMIN_KEY) -> httpx.Response:
     )
 
 
-def test_models_lists_the_adapter_with_its_parent(client, tiny_lora_factory):
+def test_models_lists_the_adapter_with_its_parent(lora_server, client, tiny_lora_factory):
     models = {m.id: m for m in client.models.list().data}
     assert list(models) == [BASE, "full"]
-    assert models["full"].parent == BASE and models["full"].root == tiny_lora_factory("full")[0]
+    assert models["full"].parent == BASE and models["full"].root == "full"  # its name, not its path
+    listing = httpx.get(f"{lora_server.base_url}/v1/models", headers=auth()).text
+    assert (
+        tiny_lora_factory("full")[0] not in listing
+        and os.path.dirname(tiny_lora_factory("full")[0]) not in listing
+    )
 
 
 def test_outputs_match_peft_for_base_and_adapter(client, tiny_model_factory, tiny_lora_factory):
@@ -106,20 +125,23 @@ def test_chat_and_stream_with_the_adapter(lora_server, client):
     assert {c["model"] for c in chunks} == {"full"}
 
 
-def test_load_and_unload_at_run_time(lora_server, client, tiny_lora_factory, tiny_model_factory):
+def test_load_and_unload_at_run_time(lora_server, client, tiny_lora_factory, tiny_model_factory, lora_root):
     from openai import NotFoundError
 
     directory, _ = tiny_model_factory("llama", False)
-    path, peft_model = tiny_lora_factory("partial")
+    _, peft_model = tiny_lora_factory("partial")
+    path = "partial"  # relative to --lora-root
     assert (
         check_error(load(lora_server, "partial", path, key=USER_KEY), 403, None)["code"]
         == "admin_key_required"
     )
     assert load(lora_server, "partial", path, key="nope").status_code == 401
-    check_error(load(lora_server, "bad", directory), 400, None)  # a model, not an adapter
+    error = check_error(load(lora_server, "bad", "not-an-adapter"), 400, None)  # r is not a number
+    assert "not-an-adapter" in error["message"] and lora_root not in error["message"]
     assert load(lora_server, "partial", path).status_code == 200
     assert complete(client, "partial") == expected_text(peft_model, directory)
-    assert "partial" in [m.id for m in client.models.list().data]
+    models = {m.id: m for m in client.models.list().data}
+    assert models["partial"].root == "partial" and lora_root not in str(models["partial"].model_dump())
     check_error(load(lora_server, "partial", path), 400, None)  # the name is taken
     check_error(load(lora_server, "third", path), 409, None)  # both slots are taken
     assert unload(lora_server, "partial", key=USER_KEY).status_code == 403
@@ -128,6 +150,30 @@ def test_load_and_unload_at_run_time(lora_server, client, tiny_lora_factory, tin
         complete(client, "partial")
     check_error(unload(lora_server, "partial"), 404, "lora_name")
     assert "partial" not in [m.id for m in client.models.list().data]
+
+
+def test_loads_from_outside_the_root_are_refused(lora_server, client, tiny_lora_factory, lora_root):
+    adapter = tiny_lora_factory("partial")[0]  # a real adapter, but outside the root
+    os.symlink(adapter, os.path.join(lora_root, "escape"))
+    os.mkdir(os.path.join(lora_root, "linked-file"))
+    shutil.copy(os.path.join(adapter, "adapter_config.json"), os.path.join(lora_root, "linked-file"))
+    os.symlink(
+        os.path.join(adapter, "adapter_model.safetensors"),
+        os.path.join(lora_root, "linked-file", "adapter_model.safetensors"),
+    )
+    for path in (
+        adapter,  # absolute, outside
+        "escape",  # a symlink under the root to a directory outside it
+        os.path.relpath(adapter, lora_root),  # ../lora-llama-partial0
+        f"{lora_root}/../{os.path.basename(adapter)}",
+        "linked-file",  # inside, but its weights file links out
+    ):
+        response = load(lora_server, "outside", path)
+        error = check_error(response, 400, "lora_path")
+        assert "outside the LoRA root" in error["message"], path
+        assert lora_root not in response.text and adapter not in response.text
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "outside" not in [m.id for m in client.models.list().data]
 
 
 def test_unknown_adapter_is_404_and_every_block_is_free_after(lora_server, client):
