@@ -35,7 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: str, port: int, log_path: str) -> subprocess.Popen:
+def start(command: str, port: int, log_path: str) -> tuple[subprocess.Popen, float]:
+    """The started server and the seconds it took to answer /health (loading the model included)."""
+    started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             shlex.split(command.format(port=port)), stdout=log, stderr=subprocess.STDOUT
@@ -46,7 +48,7 @@ def start(command: str, port: int, log_path: str) -> subprocess.Popen:
             raise RuntimeError(f"{command!r} exited with {process.returncode}; see {log_path}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
+                return process, time.monotonic() - started
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -80,6 +82,8 @@ def run_levels(label: str, port: int, args) -> list[dict]:
     command = [
         sys.executable, os.path.join(HERE, "serve.py"), "--url", f"http://127.0.0.1:{port}",
         "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens), "--label", label,
+        "--prompt-tokens", str(args.prompt_tokens),
+        *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -101,6 +105,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=100, help="words of prompt (bench/serve.py)")
+    parser.add_argument("--num-requests", type=int, default=0, help="per level (default: bench/serve.py's)")
     args = parser.parse_args()
     results: dict[str, list[dict]] = {"serval": [], args.peer_label: []}
     servers = [("serval", args.serval_command), (args.peer_label, args.peer_command)]
@@ -108,12 +114,13 @@ def main() -> None:
         order = servers if round_index % 2 == 0 else servers[::-1]
         for label, command in order:
             port = free_port()
-            process = start(command, port, f"/tmp/bench-{label}.log")
+            process, ready_s = start(command, port, f"/tmp/bench-{label}.log")
             try:
                 results[label] += run_levels(label, port, args)
-                print(
-                    json.dumps({"server": label, "round": round_index, "peak_rss_mib": peak_rss_mib(process)})
-                )
+                print(json.dumps({
+                    "server": label, "round": round_index, "ready_s": round(ready_s, 1),
+                    "peak_rss_mib": peak_rss_mib(process),
+                }), flush=True)  # fmt: skip
             finally:
                 stop(process)
     for concurrency in (int(c) for c in args.concurrency.split(",")):

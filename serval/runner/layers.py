@@ -18,7 +18,7 @@ from serval.runner.models.arch import RopeScaling
 
 if TYPE_CHECKING:
     from serval.runner.lora import LoraBatch, LoraTarget
-    from serval.runner.quantization import PackedWeight
+    from serval.runner.quantization import PackedParts, PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +122,7 @@ class Linear(nn.Linear):
     small_batch_kernel = None
     quantized_kernel = None  # kernels.quantized_linear, set only when `packed` is
     max_quantized_rows = 0  # the packed path's row limit (kernels.packed_rows_limit), set with it
-    packed: PackedWeight | None = None
+    packed: PackedWeight | PackedParts | None = None
     lora_target: LoraTarget | None = None
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
@@ -147,7 +147,7 @@ def small_batch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     kernel,
-    packed: PackedWeight | None = None,
+    packed: PackedWeight | PackedParts | None = None,
     quantized_kernel=None,
     max_quantized_rows: int = 0,
 ) -> torch.Tensor | None:

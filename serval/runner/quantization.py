@@ -5,7 +5,7 @@ and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w =
 codes and scales straight from a file's bytes (`BlockCodes`, loader/dequant.py) and `pack_block_codes` puts
 them in the kernel's layout (kernels/quantized.h). Other checkpoints go through `find_packed`, which
 recognizes a Q4_0/Q4_1/Q8_0-shaped matrix from its fp32 values, recovering its codes exactly (it checks the
-round trip). `LowBitPacker` does this for each tensor of a checkpoint as it streams in. Nothing is
+round trip). loader/packer.py does this for each tensor of a checkpoint as it streams in. Nothing is
 approximated: a matrix without an exact form gets None and stays on the bf16/fp32 path.
 """
 
@@ -71,6 +71,10 @@ class PackedWeight:
             t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.super_scales)
         )
 
+    @property
+    def parts(self) -> list[PackedWeight]:
+        return [self]
+
     def layout_key(self) -> tuple:
         """What must agree for two packed matrices to be stacked row-wise into one."""
         return (
@@ -106,79 +110,49 @@ class PackedWeight:
         return w.reshape(len(indices), -1)
 
 
-class LowBitPacker:
-    """Packs a model's weights as the checkpoint streams in, before they are cast to the model's dtype.
+@dataclass
+class PackedParts:
+    """A fused matrix whose shards are packed in different layouts (a Q4_K_M file's q and k in Q4_K, its v in
+    Q6_K): each part runs its own matmul, and their outputs sit side by side. Every part but the last has
+    whole groups of 16 rows, so a part's row count is its codes' (kernels/decode_stack.cpp relies on it)."""
 
-    `offer` each (Hugging Face name, fp32 tensor); `attach` then gives every Linear its packed form
-    (`module.packed`: q/k/v and gate/up are the row-wise concatenations of their shards' forms) and a tied
-    embedding used as the head `model.packed_tied_head`. Only fp32 values show whether a matrix is exactly
-    4/8-bit blocks, and the model is built in its compute dtype, so this happens one tensor at a time.
-    """
+    parts: list[PackedWeight]
 
-    def __init__(self, model: nn.Module, release_dense: bool = False, from_file: dict | None = None):
-        """release_dense: free a matrix's dense copy as soon as all its shards are loaded and packed (the
-        packed kernels serve every batch size): the load never holds a dense copy of a quantized file.
-        from_file: packed forms the reader built from the file's blocks, by Hugging Face name (filled as
-        the checkpoint streams): used as they are, instead of recognizing them in the fp32 values."""
-        self.model = model
-        self.release_dense = release_dense
-        self.from_file = {} if from_file is None else from_file
-        self.shards: dict[
-            str, dict[int, PackedWeight | None]
-        ] = {}  # parameter -> shard -> form, until complete
-        self.complete: dict[str, PackedWeight | None] = {}  # parameter -> its (concatenated) form, or None
-        self.releasable: list[str] = []  # complete and packed, dense copy not yet released
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
 
-    def offer(self, hf_name: str, tensor: torch.Tensor) -> None:
-        target = self.model.weight_target(hf_name)
-        known = self.from_file.pop(hf_name, None)
-        if target is None or tensor.dim() != 2:
-            return
-        parameter, shard = target
-        shards = self.shards.setdefault(parameter, {})
-        shards[shard or 0] = known if known is not None else find_packed(tensor)
-        if len(shards) == self.model.num_shards(parameter):
-            packed = self.complete[parameter] = _concatenated([shards[i] for i in sorted(shards)])
-            del self.shards[parameter]
-            looks_up_packed = parameter != "embed_tokens.weight" or hasattr(self.model, "packed_embedding")
-            if self.release_dense and looks_up_packed and packed is not None:
-                self.releasable.append(parameter)
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
-    def release_completed(self) -> None:
-        """Give every parameter whose shards have all been loaded, and packed, a placeholder for its dense
-        weight (call once the loader has copied the tensors offered so far)."""
-        for parameter in self.releasable:
-            module_name, attribute = parameter.rsplit(".", 1)
-            module = self.model.get_submodule(module_name)
-            setattr(module, attribute, dense_placeholder(getattr(module, attribute)))
-        self.releasable.clear()
-
-    def attach(self) -> None:
-        from serval.runner.layers import Linear
-
-        for name, module in self.model.named_modules():
-            if isinstance(module, Linear):
-                module.packed = self.complete.get(f"{name}.weight")
-        embedding = self.complete.get("embed_tokens.weight")
-        if hasattr(self.model, "packed_tied_head") and getattr(self.model, "lm_head", None) is None:
-            self.model.packed_tied_head = embedding
-        if self.release_dense and hasattr(self.model, "packed_embedding"):
-            # Its dense copy was released: look-ups dequantize rows of the packed form.
-            self.model.packed_embedding = embedding
-        self.complete.clear()
+    def matmul(self, quantized_linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(quantized_linear, x) for p in self.parts], dim=-1)
 
 
-def _concatenated(parts: list[PackedWeight | None]) -> PackedWeight | None:
+def concatenated(parts: list[PackedWeight | None]) -> PackedWeight | PackedParts | None:
     """The packed form of a matrix fused from shards (in row order), or None if a shard has none."""
     if any(p is None for p in parts):
         return None
+    # Only whole groups of 16 rows can be put end to end, or split between parts.
+    if any(p.out_features % GROUP for p in parts[:-1]):
+        return None
+    runs: list[list[PackedWeight]] = []  # consecutive shards of one layout are stacked into one matrix
+    for part in parts:
+        if runs and runs[-1][0].layout_key() == part.layout_key():
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    stacked = [_stacked(run) for run in runs]
+    return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
+
+
+def _stacked(parts: list[PackedWeight]) -> PackedWeight:
+    """Packed matrices of one layout, the rows of each after the previous one's."""
     if len(parts) == 1:
         return parts[0]
-    # Fused shards stack their row groups: only whole groups of 16 rows of one layout can be put end to end.
-    if len({p.layout_key() for p in parts}) != 1 or any(p.out_features % GROUP for p in parts[:-1]):
-        return None
 
-    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors) if tensors[0].numel() else tensors[0]
 
     return PackedWeight(
@@ -186,8 +160,8 @@ def _concatenated(parts: list[PackedWeight | None]) -> PackedWeight | None:
         out_features=sum(p.out_features for p in parts),
         codes=torch.cat([p.codes for p in parts]),
         scales=torch.cat([p.scales for p in parts]),
-        offsets=stacked([p.offsets for p in parts]),
-        super_scales=stacked([p.super_scales for p in parts]),
+        offsets=cat([p.offsets for p in parts]),
+        super_scales=cat([p.super_scales for p in parts]),
     )
 
 
@@ -219,10 +193,11 @@ def pack_block_codes(block: BlockCodes) -> PackedWeight:
     )
 
 
-def dense_placeholder(weight: torch.Tensor) -> nn.Parameter:
+def dense_placeholder(weight: torch.Tensor, device: torch.device | str | None = None) -> nn.Parameter:
     """A stand-in for a dense weight whose packed form is used instead: the matrix's shape and dtype (which
     the native DecodeStack reads) over a single element; nothing computes with it."""
-    placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    device = weight.device if device is None else device
+    placeholder = torch.zeros((), dtype=weight.dtype, device=device).expand(weight.shape)
     return nn.Parameter(placeholder, requires_grad=False)
 
 
@@ -238,7 +213,8 @@ def find_packed(weight: torch.Tensor) -> PackedWeight | None:
     # otherwise add hundreds of MB to the load's peak memory.
     step = 128 * GROUP
     parts = [_find_packed_rows(weight[start : start + step]) for start in range(0, weight.shape[0], step)]
-    return _concatenated(parts)
+    packed = concatenated(parts)
+    return packed if isinstance(packed, PackedWeight) else None  # one layout for the whole matrix
 
 
 def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:

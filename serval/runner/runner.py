@@ -119,6 +119,7 @@ class ModelRunner:
             # Where the packed kernels serve every batch size, the dense copies of packed matrices are dead
             # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_packed_dense=use_quantized and packed_rows_limit(kernels) >= UNBOUNDED_ROWS,
+            packable_names=checkpoint.packable_names,
         )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(

@@ -253,6 +253,13 @@ def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
     write_gguf_from_state_dict(
         path, reference.config.to_dict(), reference.state_dict(), qtype_for_matrices=GGMLQuantizationType.Q4_1
     )
+    dequantized: set[GGMLQuantizationType] = set()
+
+    def spy(data, qtype, shape):
+        dequantized.add(GGMLQuantizationType(qtype))
+        return dequantize(data, qtype, shape)
+
+    monkeypatch.setattr("serval.runner.loader.gguf.dequantize", spy)
     auto = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=32)))
     info = auto.runner.info
     assert info.dtype == "float32" and info.packed_weights and info.kernel_variant == kernels.variant
@@ -262,6 +269,9 @@ def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
     # The tied embedding too: look-ups read its packed rows, the head its packed matmul.
     assert model.embed_tokens.weight.stride() == (0, 0)
     assert model.packed_embedding is model.packed_tied_head is not None
+    # None of the file's blocks was ever dequantized to fp32: the reader packed them from their bytes and
+    # yielded only their shapes.
+    assert dequantized and not dequantized & BLOCK_CODE_TYPES
     exact = Engine(
         EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(num_blocks=32))
     )

@@ -14,7 +14,9 @@ from gguf import GGMLQuantizationType
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
+from serval.runner.layers import Linear
 from serval.runner.loader.gguf import read_gguf_config
+from serval.runner.quantization import PackedParts, is_placeholder
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 from tests.runner.test_models import _greedy, _serval_logits
 
@@ -100,8 +102,12 @@ def test_formats_match_transformers_dense_and_packed(model_file, kernels, monkey
     dense, packed = _engine(path, "float32"), _engine(path, "auto")
     assert not dense.runner.info.packed_weights
     assert packed.runner.info.packed_weights and packed.runner.info.dtype == "float32"
-    gate_up = packed.runner.model.layers[0].mlp.gate_up_proj
-    assert gate_up.packed is not None and gate_up.weight.stride() == (0, 0)  # runs from the codes alone
+    # Every matrix runs from its codes alone (its dense copy was freed), a fused one whose shards differ in
+    # layout (the mix's q/k in Q4_K, v in Q6_K) in parts.
+    linears = [m for m in packed.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and is_placeholder(m.weight) for m in linears)
+    qkv = packed.runner.model.layers[0].self_attn.qkv_proj.packed
+    assert isinstance(qkv, PackedParts) == (path.endswith("Q4_K_M.gguf"))
     for prompt in PROMPTS:
         with torch.no_grad():
             theirs = reference(torch.tensor([prompt])).logits[0, -1]

@@ -13,9 +13,16 @@ namespace {
 
 torch::Tensor optional(const torch::Tensor& t) { return t.numel() == 0 ? torch::Tensor() : t; }
 
-// One Linear layer (layers.py): its weight, and its exact packed low-bit form when it has one.
+// One packed matrix (runner/quantization.py), or one part of a fused matrix whose shards differ in layout.
+struct PackedPart {
+  torch::Tensor codes, scales, offsets, super_scales;
+  int64_t out_features;
+};
+
+// One Linear layer (layers.py): its weight, and its exact packed form when it has one.
 struct LinearWeights {
-  torch::Tensor weight, codes, scales, offsets, super_scales;  // codes undefined: no packed form
+  torch::Tensor weight;
+  std::vector<PackedPart> packed;  // empty: no packed form; several: outputs side by side (PackedParts)
   bool use_small_batch_kernel = false;
   int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
 
@@ -23,8 +30,11 @@ struct LinearWeights {
   // bf16 kernel for a few rows, else PyTorch's matmul.
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& bias) const {
     torch::Tensor y;
-    if (codes.defined() && x.size(0) <= max_quantized_rows) {
-      y = quantized_linear(x, codes, scales, offsets, super_scales, weight.size(0));
+    if (!packed.empty() && x.size(0) <= max_quantized_rows) {
+      std::vector<torch::Tensor> outputs;
+      for (const auto& p : packed)
+        outputs.push_back(quantized_linear(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features));
+      y = outputs.size() == 1 ? outputs[0] : torch::cat(outputs, 1);
     } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
       y = bf16_linear_small_batch(x, weight);
     } else {
@@ -34,8 +44,19 @@ struct LinearWeights {
   }
 };
 
-LinearWeights linear_weights(const torch::Tensor* t, int64_t max_quantized_rows, int64_t max_small_batch_rows) {
-  LinearWeights w{t[0], optional(t[1]), optional(t[2]), optional(t[3]), optional(t[4])};
+// t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
+// whole groups of 16 rows (PackedParts), so its row count is its codes'.
+LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_quantized_rows,
+                             int64_t max_small_batch_rows) {
+  TORCH_CHECK(!t.empty() && (t.size() - 1) % 4 == 0, "a linear layer: its weight and 4 tensors per packed part");
+  LinearWeights w{t[0]};
+  int64_t rows_left = w.weight.size(0);
+  for (size_t i = 1; i < t.size(); i += 4) {
+    const bool last = i + 4 == t.size();
+    const int64_t rows = last ? rows_left : t[i].size(0) * 16;
+    w.packed.push_back({t[i], t[i + 1], optional(t[i + 2]), optional(t[i + 3]), rows});
+    rows_left -= rows;
+  }
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
   w.use_small_batch_kernel = w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
@@ -50,19 +71,22 @@ struct LayerWeights {
 
 class DecodeStack {
  public:
-  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] and then 5 tensors
-  // [weight, codes, scales, offsets, super_scales] for each of qkv, o, gate_up, down; an empty tensor stands
-  // for an absent bias, q/k norm, packed form or part of one.
-  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t num_heads, int64_t num_kv_heads,
+  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] (an empty tensor
+  // stands for an absent bias or q/k norm), and linears: per layer the tensors of qkv, o, gate_up and down as
+  // linear_weights takes them.
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers,
+              const std::vector<std::vector<std::vector<torch::Tensor>>>& linears, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
               int64_t max_small_batch_rows)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale) {
-    for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 27, "each layer needs 27 tensors");
-      auto linear = [&](int64_t i) { return linear_weights(&t[i], max_quantized_rows, max_small_batch_rows); };
-      layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(7), linear(12),
-                         linear(17), linear(22), t[5], t[6]});
+    TORCH_CHECK(layers.size() == linears.size(), "one list of linear layers per layer");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& t = layers[i];
+      TORCH_CHECK(t.size() == 7 && linears[i].size() == 4, "each layer: 7 tensors and 4 linear layers");
+      auto linear = [&](int64_t j) { return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows); };
+      layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(0), linear(1),
+                         linear(2), linear(3), t[5], t[6]});
     }
   }
 
@@ -133,8 +157,9 @@ class DecodeStack {
 
 void register_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, int64_t,
-                          double, double, int64_t, int64_t>())
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
+                          const std::vector<std::vector<std::vector<torch::Tensor>>>&, int64_t, int64_t, int64_t,
+                          int64_t, double, double, int64_t, int64_t>())
       .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

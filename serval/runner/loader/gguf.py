@@ -229,14 +229,28 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
+def packable_tensor_names(reader: GGUFReader) -> frozenset[str]:
+    """The Hugging Face names of the file's matrices stored in a block type the quantized kernels run."""
+    return frozenset(
+        hf_tensor_name(t.name)
+        for t in reader.tensors
+        if len(t.shape) == 2 and t.tensor_type in BLOCK_CODE_TYPES
+    )
+
+
 def iter_gguf_weights(
-    path: str, reader: GGUFReader | None = None, packed_forms: dict[str, PackedWeight] | None = None
+    path: str,
+    reader: GGUFReader | None = None,
+    packed_forms: dict[str, PackedWeight] | None = None,
+    packed_only: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
 
     Pass the reader when the caller already opened the file: parsing the metadata takes seconds.
     packed_forms: also put there, before yielding it, the packed form (runner/quantization.py) of each
     matrix of a block type (Q4_0 ... Q6_K), built from its bytes.
+    packed_only: names whose dense values nobody needs (the model runs them packed): yielded as meta
+    tensors of their shape, never dequantized, after their packed form is put in packed_forms.
     """
     reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
@@ -258,12 +272,16 @@ def iter_gguf_weights(
     tensors = tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None)
     for name, tensor in zip(names, tensors):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
-        weight = dequantize(tensor.data, tensor.tensor_type, shape)
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
         permuted = is_permuted and part in heads_of
-        if permuted:
-            weight = _unpermute_rows(weight, heads_of[part])
-        if packed_forms is not None and tensor.tensor_type in BLOCK_CODE_TYPES and len(shape) == 2:
+        packable = packed_forms is not None and tensor.tensor_type in BLOCK_CODE_TYPES and len(shape) == 2
+        if packable and name in packed_only:
+            weight = torch.empty(shape, device="meta")
+        else:
+            weight = dequantize(tensor.data, tensor.tensor_type, shape)
+            if permuted:
+                weight = _unpermute_rows(weight, heads_of[part])
+        if packable:
             codes = block_codes(tensor.data, tensor.tensor_type, shape)
             if permuted:
                 codes = codes.map_rows(lambda t, heads=heads_of[part]: _unpermute_rows(t, heads))

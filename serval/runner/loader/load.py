@@ -10,13 +10,14 @@ import torch
 from serval.model_source import ModelSource
 from serval.runner.layers import Linear
 from serval.runner.loader.dequant import BLOCK_CODE_TYPES
+from serval.runner.loader.packer import LowBitPacker
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
-from serval.runner.quantization import LowBitPacker
 
 # Streams the weights with Hugging Face names; given a dict, a reader that can also fills it with the packed
-# forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor.
+# forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor, and yields
+# the names in `packed_only` as meta tensors (shape only) instead of dequantizing them.
 WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
@@ -31,6 +32,8 @@ class Checkpoint:
     # The stored weight formats of its matrices, most weights first: GGUF types ("Q4_1", "Q8_0", "F16") or
     # safetensors dtypes ("BF16"); 1-D tensors (norms, biases) are not counted.
     weight_formats: tuple[str, ...]
+    # The Hugging Face names of the matrices the reader can pack from the file's blocks.
+    packable_names: frozenset[str] = frozenset()
 
     @property
     def has_packable_weights(self) -> bool:
@@ -43,19 +46,28 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
     A GGUF file is parsed once for all three (its metadata alone takes seconds to read).
     """
     if source.is_gguf:
-        from serval.runner.loader.gguf import config_from_reader, iter_gguf_weights, open_gguf, weight_formats
+        from serval.runner.loader.gguf import (
+            config_from_reader,
+            iter_gguf_weights,
+            open_gguf,
+            packable_tensor_names,
+            weight_formats,
+        )
 
         reader = open_gguf(source.path)
         arch = ArchConfig.from_hf_config(config_from_reader(reader))
         return Checkpoint(
             arch,
-            lambda packed_forms=None: iter_gguf_weights(source.path, reader, packed_forms),
+            lambda packed_forms=None, packed_only=frozenset(): iter_gguf_weights(
+                source.path, reader, packed_forms, packed_only
+            ),
             weight_formats(reader),
+            packable_tensor_names(reader),
         )
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
     return Checkpoint(
         arch,
-        lambda packed_forms=None: iter_safetensors_weights(source.path),
+        lambda packed_forms=None, packed_only=frozenset(): iter_safetensors_weights(source.path),
         safetensors_formats(source.path),
     )
 
@@ -68,12 +80,14 @@ def load_model(
     max_positions: int,
     pack_low_bit: bool = False,
     release_packed_dense: bool = False,
+    packable_names: frozenset[str] = frozenset(),
 ) -> torch.nn.Module:
     """pack_low_bit: also keep the exact packed form of weights that have one (GGUF block types Q4_0 ... Q6_K,
     read from the file's blocks; Q4_0/Q4_1/Q8_0-shaped fp32 values of other checkpoints) for the quantized
     CPU kernels.
     release_packed_dense: the packed kernels serve every batch size, so a packed matrix's dense copy is
-    freed as soon as the matrix is complete."""
+    freed as soon as the matrix is complete, and the matrices the reader packs from the file's blocks
+    (packable_names) are never made dense at all."""
     cls = model_class(arch.architecture)
     # Built on the meta device (no memory spent on random init) and materialized in the compute dtype, the
     # matrices each when their first tensor arrives (load_weights): the checkpoint streams in one tensor at
@@ -81,13 +95,14 @@ def load_model(
     # never an fp32 copy of the whole model.
     with torch.device("meta"):
         model = cls(arch, max_positions).to(dtype)
-    _materialize_all_but_matrices(model)
-    model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
     from_file: dict | None = {} if pack_low_bit else None
     packer = LowBitPacker(model, release_packed_dense, from_file) if pack_low_bit else None
+    packed_only = packer.plan_packed_only(packable_names) if packer is not None else frozenset()
+    _materialize_all_but_matrices(model)
+    model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
 
     def fp32_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights(from_file):
+        for name, tensor in weights(from_file, packed_only):
             tensor = tensor.to(torch.float32)
             if packer is not None:
                 packer.release_completed()  # the tensors yielded before this one are copied by now
@@ -107,15 +122,17 @@ def load_model(
 
 
 def _materialize_all_but_matrices(model: torch.nn.Module) -> None:
-    """Allocate (uninitialized) every parameter and buffer except the Linear layers' weights."""
+    """Allocate (uninitialized) every parameter and buffer still on the meta device except the Linear layers'
+    weights (those come with their first tensor; placeholders of packed-only ones are already real)."""
     for module in model.modules():
-        if not isinstance(module, Linear):
-            module.to_empty(device="cpu", recurse=False)
-            continue
         for name, param in module.named_parameters(recurse=False):
-            if name != "weight":
+            if param.is_meta and not (isinstance(module, Linear) and name == "weight"):
                 setattr(
                     module,
                     name,
                     torch.nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad),
                 )
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                persistent = name not in module._non_persistent_buffers_set
+                module.register_buffer(name, torch.empty_like(buffer, device="cpu"), persistent=persistent)

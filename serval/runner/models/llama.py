@@ -157,11 +157,13 @@ class LlamaForCausalLM(nn.Module):
 
         def linear(module: Linear) -> list[torch.Tensor]:
             packed = module.packed if module.quantized_kernel is not None else None
-            if packed is None:
-                return [module.weight, none, none, none, none]
-            return [module.weight, packed.codes, packed.scales, packed.offsets, packed.super_scales]
+            parts = [] if packed is None else packed.parts
+            return [
+                module.weight,
+                *(t for p in parts for t in (p.codes, p.scales, p.offsets, p.super_scales)),
+            ]
 
-        layers = []
+        layers, linears = [], []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_bias = attn.qkv_proj.bias
@@ -174,15 +176,12 @@ class LlamaForCausalLM(nn.Module):
                     layer.post_attention_layernorm.weight,
                     k_cache,
                     v_cache,
-                    *linear(attn.qkv_proj),
-                    *linear(attn.o_proj),
-                    *linear(mlp.gate_up_proj),
-                    *linear(mlp.down_proj),
                 ]
             )
+            linears.append([linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
         arch = self.arch
         return kernels.DecodeStack(
-            layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
+            layers, linears, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
             self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
         )  # fmt: skip
 
@@ -229,12 +228,11 @@ class LlamaForCausalLM(nn.Module):
             param = self.get_parameter(target)
             if param.is_meta:
                 param = self._materialized(target, param)
+            if shard is not None:
+                start, size = self.shard_range(target, shard)
+                param = param.narrow(0, start, size)
             with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, hf_name)
-                else:
-                    start, size = self._shard_range(target, shard)
-                    _copy_checked(param.narrow(0, start, size), tensor, hf_name)
+                _copy_checked(param, tensor, hf_name)
             loaded.add(f"{target}#{shard}")
         self._check_all_loaded(loaded)
 
@@ -247,10 +245,10 @@ class LlamaForCausalLM(nn.Module):
             "mlp.down_proj": ("mlp.down_proj", 0, self.arch.hidden_size),
         }
         for suffix, (fused, shard) in _FUSED.items():
-            layout[suffix] = (fused, *self._shard_range(fused, shard))
+            layout[suffix] = (fused, *self.shard_range(fused, shard))
         return layout
 
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+    def shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
         arch = self.arch
         if "qkv_proj" in fused_name:
             q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -274,4 +272,8 @@ class LlamaForCausalLM(nn.Module):
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    if src.is_meta:  # a matrix run from its packed form alone: dst is its placeholder, nothing to copy
+        if dst.stride() != (0, 0):
+            raise RuntimeError(f"weight {name!r} came without values for a dense parameter")
+        return
     dst.copy_(src)
