@@ -96,23 +96,25 @@ class OutputParser:
                 self._answer(event.text, result, final=False)
         return result
 
-    def finish(self) -> ParsedText:
+    def finish(self, is_cut: bool = False) -> ParsedText:
+        """The rest of the text. is_cut: it ended before the model did (max_tokens), so an unfinished
+        tool call at its end is dropped rather than shown as content (the parsers say what counts)."""
         result = ParsedText()
         for event in self.counter.finish() if self.counter is not None else []:
             if isinstance(event, ReasoningText):
                 result.reasoning += event.text
             else:
                 self._answer(event.text, result, final=False)
-        self._answer("", result, final=True)
+        self._answer("", result, final=True, is_cut=is_cut)
         return result
 
-    def _answer(self, text: str, result: ParsedText, final: bool) -> None:
+    def _answer(self, text: str, result: ParsedText, final: bool, is_cut: bool = False) -> None:
         if self.tools is None:
             result.content += text
             return
         events = self.tools.feed(text) if text else []
         if final:
-            events += self.tools.finish()
+            events += self.tools.finish(is_cut)
         for event in events:
             if isinstance(event, ContentText):
                 result.content += event.text

@@ -172,7 +172,8 @@ class ChoiceStream:
             return ParsedText(content=text)
         parsed = self.parser.feed(text, num_tokens)
         if self.is_finished:
-            rest = self.parser.finish()
+            # "length": max_tokens, the context or the request timeout cut the text, maybe inside a call.
+            rest = self.parser.finish(is_cut=self.finish_reason == "length")
             parsed.content += rest.content
             parsed.reasoning += rest.reasoning
             parsed.tool_calls += rest.tool_calls

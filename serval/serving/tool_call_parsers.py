@@ -115,29 +115,62 @@ _NAME_HEADER = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|pa
 MAX_HEADER_CHARS = 4096  # a would-be call whose name has not shown up by then is text
 
 
+def _literal(text: str) -> tuple[str, str]:
+    return re.escape(text), _prefixes([(re.escape(char), "") for char in text])
+
+
+def _prefixes(parts: list[tuple[str, str]]) -> str:
+    """A regex matching every prefix of the texts the parts match in turn. A part is (full, partial): a
+    regex for its whole text and one for any beginning of it (a prefix may stop inside the last part)."""
+    pattern = ""
+    for full, partial in reversed(parts):
+        pattern = f"(?:{full}{pattern}|{partial})"
+    return pattern
+
+
+def _header_prefix(open: str) -> re.Pattern[str]:
+    """What a call header (_NAME_HEADER after `open`) can look like before its arguments begin."""
+    space = (r"\s*", "")
+    name = (r'(?:[^"\\]|\\.)*', r'(?:[^"\\]|\\.)*\\?')  # a name may be cut after a backslash
+    keys = [_literal(f'"{key}"') for key in ("arguments", "parameters")]
+    key = ("(?:" + "|".join(k for k, _ in keys) + ")", "(?:" + "|".join(p for _, p in keys) + ")")
+    quote, colon = _literal('"'), _literal(":")
+    parts = [_literal(open), space, _literal("{"), space, _literal('"name"'), space, colon, space]
+    parts += [quote, name, quote, space, _literal(","), space, key, space, colon, space]
+    return re.compile(_prefixes(parts))
+
+
 class JsonCallParser:
     """Calls of the form OPEN {"name": NAME, "arguments": ARGS} CLOSE.
 
     With an `open` marker ("<tool_call>") calls may appear anywhere in the text; without one (Llama 3 writes
     bare JSON) a message that starts with `{` (after `lead`, if it has one) is calls, separated by `;`, and
-    anything else is text. Text that is only whitespace between or after calls is dropped."""
+    anything else is text. Text that is only whitespace between or after calls is dropped.
+
+    Tool-call markup is never content: text that began a call but ended before the call's arguments began
+    (`<tool_call>\n{"na`) is dropped, and so is, when the text was cut short (`finish(is_cut=True)`:
+    max_tokens), an unfinished opening marker (`<tool_c`) at its end. A call whose arguments had begun keeps
+    them as they are (its deltas may already have been streamed)."""
 
     def __init__(self, open: str, close: str, lead: str = "") -> None:
         self.open = open
         self.close = close
         self.lead = lead  # a marker that may precede bare calls (Llama 3's <|python_tag|>): dropped
         self.header = re.compile(re.escape(open) + _NAME_HEADER)
+        self.header_prefix = _header_prefix(open)
         self.close_pattern = re.compile(r"\s*\}" + (r"\s*" + re.escape(close) if close else ""))
         self.state = "text" if open else "start"
         self.buffer = ""
         self.num_calls = 0
         self.scanner = _JsonScanner()
+        self.is_cut = False  # the text ended before the model did (set by finish)
 
     def feed(self, text: str) -> list[ToolEvent]:
         self.buffer += text
         return self._run(final=False)
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, is_cut: bool = False) -> list[ToolEvent]:
+        self.is_cut = is_cut
         return self._run(final=True)
 
     def _run(self, final: bool) -> list[ToolEvent]:
@@ -156,6 +189,9 @@ class JsonCallParser:
             return True
         if (not stripped or self.lead.startswith(stripped)) and not final:
             return False  # nothing yet, or what may still become the lead
+        if stripped and self.lead.startswith(stripped) and self.is_cut:
+            self.buffer = ""  # the lead, cut short
+            return False
         self.state = "header" if stripped.startswith("{") else "text"
         return True
 
@@ -165,7 +201,8 @@ class JsonCallParser:
         if index != -1:
             cut = index
         else:
-            cut = len(buffer) - (0 if final or not self.open else _held_prefix(buffer, self.open))
+            shows_held = final and not self.is_cut  # a cut text's unfinished marker is dropped with it
+            cut = len(buffer) - (0 if shows_held or not self.open else _held_prefix(buffer, self.open))
         piece = buffer[:cut]
         if self.num_calls and not piece.strip():
             if index == -1 and not final:
@@ -173,7 +210,7 @@ class JsonCallParser:
             piece = ""
         if piece:
             events.append(ContentText(piece))
-        self.buffer = buffer[cut:]
+        self.buffer = "" if final and index == -1 else buffer[cut:]
         if index == -1:
             return False
         self.state = "header"
@@ -190,6 +227,9 @@ class JsonCallParser:
             return True
         close_at = self.buffer.find(self.close) if self.close else -1
         if not (final or close_at != -1 or len(self.buffer) > MAX_HEADER_CHARS):
+            return False
+        if final and close_at == -1 and self.header_prefix.fullmatch(self.buffer):
+            self.buffer = ""  # a call that ended before its arguments began: markup, neither content nor call
             return False
         # Not a call after all: its text is content (up to its close marker, if it has one).
         cut = len(self.buffer) if close_at == -1 else close_at + len(self.close)
@@ -246,7 +286,11 @@ class NameLineCallParser:
 
     With `accepts_python_call` (ChatGLM3) the arguments may instead be a ```python block holding
     `tool_call(key=value, ...)`: it is read whole (a Python call cannot be checked piece by piece) and its
-    arguments are given as one JSON piece; a block that is not such a call makes the message plain text."""
+    arguments are given as one JSON piece; a block that is not such a call makes the message plain text.
+
+    When the text was cut short (`finish(is_cut=True)`), what may still have become a call is dropped rather
+    than shown as text: a first line that begins a tool's name, a name line with no arguments after it, an
+    unclosed python block."""
 
     def __init__(self, tool_names: frozenset[str], accepts_python_call: bool = False) -> None:
         self.tool_names = tool_names
@@ -255,11 +299,13 @@ class NameLineCallParser:
         self.buffer = ""
         self.name_line = ""  # the first line, kept in case a python block turns out not to be a call
         self.scanner = _JsonScanner()
+        self.is_cut = False  # the text ended before the model did (set by finish)
 
     def feed(self, text: str) -> list[ToolEvent]:
         return self._advance(text, final=False)
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, is_cut: bool = False) -> list[ToolEvent]:
+        self.is_cut = is_cut
         return self._advance("", final=True)
 
     def _advance(self, text: str, final: bool) -> list[ToolEvent]:
@@ -273,6 +319,8 @@ class NameLineCallParser:
             if newline != -1 and line.strip() in self.tool_names:
                 self.name_line = self.buffer[: newline + 1]
                 self.buffer, self.state = self.buffer[newline + 1 :], "body"
+            elif newline == -1 and self.is_cut and any(n.startswith(line.strip()) for n in self.tool_names):
+                self.buffer, self.state = "", "after"  # a name cut short
             else:
                 self.state = "text"
         if self.state == "body":
@@ -281,9 +329,11 @@ class NameLineCallParser:
             stripped = self.buffer.lstrip()
             if self.accepts_python_call and stripped.startswith("`"):
                 self.buffer, self.state = stripped, "python"
-            elif stripped or final:
+            elif stripped or (final and not self.is_cut):
                 events.append(ToolCallStart(0, self.name_line.strip()))
                 self.state = "args"
+            elif final:
+                self.buffer, self.state = "", "after"  # cut before the arguments began
         if self.state == "python":
             self._on_python(events, final)
         if self.state == "args" and not self.scanner.has_started:
@@ -305,6 +355,9 @@ class NameLineCallParser:
         body_at = self.buffer.find("\n")  # the block's code starts after its ```python line
         fence_at = self.buffer.find("```", body_at + 1) if body_at != -1 else -1
         if fence_at == -1 and not final:
+            return
+        if fence_at == -1 and self.is_cut:
+            self.buffer, self.state = "", "after"  # a block cut short: not a call yet, and not text
             return
         code = "" if body_at == -1 else self.buffer[body_at + 1 : fence_at if fence_at != -1 else None]
         arguments = _python_call_arguments(code)

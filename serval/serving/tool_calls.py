@@ -24,6 +24,9 @@ from serval.serving.structured import MAX_WHITESPACE
 from serval.serving.tool_call_parsers import JsonCallParser, NameLineCallParser
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
+# What may follow the last of several forced calls before the end of generation (bounded: a grammar must not
+# let a model idle in whitespace until max_tokens).
+_TRAILING_WHITESPACE = {"type": "regex", "pattern": "[ \\n]{0,4}"}
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,12 @@ class ToolCallFormat:
         return JsonCallParser(self.trigger, self.call_end.replace("}", "", 1).strip(), self.lead)
 
     def structural_tag(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[str, Any]:
-        """The xgrammar format that admits exactly the calls `choice` allows (schema-valid arguments)."""
+        """The xgrammar format that admits exactly the calls `choice` allows (schema-valid arguments).
+
+        A named choice is exactly one call of that function; "required" is one or more calls (exactly one
+        without `parallel`), and after each call the model may end. "auto" is free text around calls."""
         offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
-        parallel = parallel and not self.is_single_call
+        parallel = parallel and not self.is_single_call and choice.mode != "function"
         tags = [
             {
                 "type": "tag",
@@ -89,13 +95,19 @@ class ToolCallFormat:
             for t in offered
         ]
         if choice.mode in ("required", "function"):
-            return {
+            calls = {
                 "type": "tags_with_separator",
                 "tags": tags,
                 "separator": self.separator,
                 "at_least_one": True,
                 "stop_after_first": not parallel,
             }
+            if not parallel:
+                return calls  # after the one call only the end of generation is allowed
+            # NOTE: the separator ("\n" for Hermes) is also what a model writes before it ends; were it only a
+            # separator, a model that wrote it would be forced into another call, and a greedy one loops until
+            # max_tokens. A little trailing whitespace after the last call lets it end there instead.
+            return {"type": "sequence", "elements": [calls, _TRAILING_WHITESPACE]}
         if self.trigger:
             return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
                     "stop_after_first": not parallel}  # fmt: skip

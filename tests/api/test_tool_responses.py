@@ -123,3 +123,39 @@ def test_usage_has_reasoning_tokens(make_client):
     data = chat(make_client())
     assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     assert "reasoning_content" not in data["choices"][0]["message"]
+
+
+def _folded_stream(chunks: list[dict]) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """(content, [(name, arguments)], finish reasons) of one choice's chunks."""
+    content, calls, finishes = "", [], []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            for piece in choice["delta"].get("tool_calls", []):
+                if "id" in piece:
+                    calls.append([piece["function"]["name"], ""])
+                calls[piece["index"]][1] += piece["function"]["arguments"]
+            finishes += [choice["finish_reason"]] if choice["finish_reason"] else []
+    return content, [tuple(call) for call in calls], finishes
+
+
+def test_a_call_cut_by_max_tokens_never_leaks_markup_into_content(make_client):
+    # The scripted engine writes one byte per token, so every max_tokens cuts the text at another byte.
+    client = make_client([CALLS_TEXT])
+    first_call = CALLS_TEXT.index("<tool_call>")
+    arguments_at = CALLS_TEXT.index('{"a"')  # where the first call's arguments begin
+    for max_tokens in range(1, len(CALLS_TEXT.encode())):
+        data = chat(client, tools=TOOLS, max_tokens=max_tokens)
+        choice = data["choices"][0]
+        message = choice["message"]
+        text = CALLS_TEXT[:max_tokens]
+        assert choice["finish_reason"] == "length", max_tokens
+        assert (message["content"] or "") == text[:first_call], max_tokens  # only the text before the call
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+        if max_tokens <= arguments_at:
+            assert calls == [], max_tokens  # the call had not begun its arguments: dropped
+        else:
+            assert calls[0][0] == "add" and '{"a": 1, "b": 2}'.startswith(calls[0][1]), max_tokens
+            assert all(name in ("add", "now") for name, _ in calls)
+        streamed = _folded_stream(stream(client, tools=TOOLS, max_tokens=max_tokens))
+        assert streamed == (message["content"] or "", calls, ["length"]), max_tokens

@@ -105,6 +105,72 @@ def test_parallel_calls_each_validate(openai_client, server):
             _check_call(call.function.name, call.function.arguments, None)
 
 
+GREEDY = {"temperature": 0, "max_tokens": 120}
+
+
+def _streamed(stream) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """(content, [(name, arguments)] in index order, finish reasons) of a one-choice stream."""
+    content, calls, finishes = "", {}, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or ():
+                if piece.id is not None:  # a call's first delta: its id and name
+                    assert piece.index not in calls, "two calls with one index"
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [tuple(calls[i]) for i in sorted(calls)], finishes
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named_choice_is_exactly_one_call_of_that_function(openai_client, server, name):
+    # parallel_tool_calls is left at its default (true): a named choice is one call all the same.
+    request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, **GREEDY,
+               "tool_choice": {"type": "function", "function": {"name": name}}}  # fmt: skip
+    response = openai_client.chat.completions.create(**request)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    _check_call(call.function.name, call.function.arguments, name)
+    content, calls, finishes = _streamed(openai_client.chat.completions.create(**request, stream=True))
+    assert (content, finishes) == ("", ["tool_calls"])
+    assert calls == [(call.function.name, call.function.arguments)]  # greedy: the same call, once
+
+
+def test_required_without_parallel_calls_is_one_call(openai_client, server):
+    request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
+               "parallel_tool_calls": False, **GREEDY}  # fmt: skip
+    response = openai_client.chat.completions.create(**request)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    _check_call(call.function.name, call.function.arguments, None)
+    content, calls, finishes = _streamed(openai_client.chat.completions.create(**request, stream=True))
+    assert (content, calls, finishes) == ("", [(call.function.name, call.function.arguments)], ["tool_calls"])
+
+
+def test_required_cut_by_max_tokens_never_leaks_markup_into_content(openai_client, server):
+    # Small budgets end inside `<tool_call>\n{"name": ...` (dropped), larger ones inside the arguments (the
+    # call is returned with the arguments written so far); neither shows up as content, streamed or not.
+    seen = set()
+    for max_tokens in (1, 2, 3, 5, 8, 13, 21, 34):
+        request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
+                   "temperature": 0, "max_tokens": max_tokens}  # fmt: skip
+        choice = openai_client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "length", (max_tokens, choice)
+        assert not choice.message.content, (max_tokens, choice.message.content)
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        for name, arguments in calls:
+            assert name in PARAMETERS and arguments.startswith("{"), (max_tokens, calls)
+        seen.add(bool(calls))
+        streamed = _streamed(openai_client.chat.completions.create(**request, stream=True))
+        assert streamed == ("", calls, ["length"]), max_tokens
+    assert seen == {False, True}  # both kinds of cut were exercised
+
+
 def test_json_schema_answers_validate_for_20_seeds(openai_client, server):
     schema = {
         "type": "object",

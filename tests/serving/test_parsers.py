@@ -44,6 +44,10 @@ TOOL_FIXTURES = {
             [S(0, "f"), A(0, '{"k":"ü"}'), C("done")],
         ),
         ('<tool_call>\n{"name": "f", "arguments": {"a": 1', [S(0, "f"), A(0, '{"a": 1')]),
+        # a call that ended before its arguments began is markup: dropped, not content
+        ('Sure. <tool_call>\n{"name": "get_wea', [C("Sure. ")]),
+        ('<tool_call>\n{"name": "f", "arguments": ', []),
+        ("<tool_call> is a tag", [C("<tool_call> is a tag")]),
     ],
     "llama3_json": [
         ('{"name": "f", "parameters": {"x": 1}}', [S(0, "f"), A(0, '{"x": 1}')]),
@@ -61,6 +65,9 @@ TOOL_FIXTURES = {
         ),
         ("<|python_tag|>print(1)", [C("print(1)")]),
         ("<|python", [C("<|python")]),
+        ('{"name": "f", "param', []),
+        ('{"name": "f", "parameters": {}}; {"na', [S(0, "f"), A(0, "{}")]),
+        ('{"foo": 1', [C('{"foo": 1')]),
     ],
     "glm": [
         ('get_weather\n{"city": "Beijing"}', [S(0, "get_weather"), A(0, '{"city": "Beijing"}')]),
@@ -108,6 +115,50 @@ def test_tool_call_parser_every_split_gives_the_one_shot_parse(format_name, text
     assert one_shot == merge_events(expected)
     for pieces in _splits(text):
         assert _parse(make, pieces) == one_shot, pieces
+
+
+# Text cut short by max_tokens (finish(is_cut=True)): what had only begun a call is dropped; a call whose
+# arguments began keeps them as written; plain text stays text.
+CUT_FIXTURES = {
+    "hermes": [
+        ("Sure. <tool_c", [C("Sure. ")]),
+        ("<", []),
+        ('<tool_call>\n{"name', []),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": ', [S(0, "f"), A(0, '{"a": ')]),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_ca',
+            [S(0, "f"), A(0, "{}")],
+        ),
+        ("a < b", [C("a < b")]),
+    ],
+    "llama3_json": [
+        ("<|pyth", []),
+        ('{"name": "f", "parameters": {"x": [1', [S(0, "f"), A(0, '{"x": [1')]),
+        ('{"foo": 1', [C('{"foo": 1')]),
+    ],
+    "glm": [
+        ("get_w", []),
+        ("get_weather\n", []),
+        ('get_weather\n{"ci', [S(0, "get_weather"), A(0, '{"ci')]),
+        ("Hello", [C("Hello")]),
+    ],
+    "chatglm3": [
+        ("f\n```python\ntool_call(x=1", []),
+        ("f\n```python\ntool_call(x=1)\n```", [S(0, "f"), A(0, '{"x": 1}')]),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "format_name, text, expected",
+    [(name, text, expected) for name, fixtures in CUT_FIXTURES.items() for text, expected in fixtures],
+)
+def test_cut_text_never_shows_call_markup_as_content(format_name, text, expected):
+    tool_format = FORMATS[format_name]
+    for pieces in [[text], *_splits(text)]:
+        parser = tool_format.parser(NAMES)
+        events = [event for piece in pieces for event in parser.feed(piece)]
+        assert merge_events(events + parser.finish(is_cut=True)) == merge_events(expected), pieces
 
 
 def test_grammar_made_calls_parse_back_for_every_format():

@@ -120,11 +120,57 @@ def test_forced_tool_calls_parse_and_validate(compiler, mode, parallel):
         parts = [parser.feed(text_of(ids[:-1]), len(ids)), parser.finish()]
         calls = [c for p in parts for c in p.tool_calls]
         assert calls and not "".join(p.content for p in parts).strip()
-        assert len(calls) == 1 or parallel
+        assert len(calls) == 1 or (parallel and mode == "required")  # a named choice is one call
         for call in calls:
             assert mode != "function" or call.name == "get_weather"
             tool = WEATHER if call.name == "get_weather" else TIME
             jsonschema.validate(json.loads(call.arguments), tool.parameters)
+
+
+EOS = ByteTokenizer.eos_token_ids[0]
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def accept_text(constraint, text: str) -> None:
+    for byte in text.encode():
+        assert byte in allowed_ids(constraint.allowed_token_bitmask(), 258), (text, chr(byte))
+        constraint.accept_token(byte)
+
+
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [(ToolChoice("function", "get_time"), True), (ToolChoice("function", "get_time"), False),
+     (ToolChoice("required"), False)],
+)  # fmt: skip
+def test_a_named_choice_or_a_single_required_call_ends_after_one_call(compiler, choice, parallel):
+    options = ChatOptions(tools=(WEATHER, TIME), tool_choice=choice, parallel_tool_calls=parallel)
+    constraint = compiler.compile_now(grammar_spec(options, FORMATS["hermes"], "none")).new_constraint()
+    accept_text(constraint, TIME_CALL)
+    assert allowed_ids(constraint.allowed_token_bitmask(), 258) == [EOS]  # no second call, no whitespace
+
+
+def test_required_parallel_calls_may_end_after_any_call(compiler):
+    options = ChatOptions(tools=(WEATHER, TIME), tool_choice=ToolChoice("required"))
+    grammar = compiler.compile_now(grammar_spec(options, FORMATS["hermes"], "none"))
+    constraint = grammar.new_constraint()
+    assert EOS not in allowed_ids(constraint.allowed_token_bitmask(), 258)  # at least one call
+    for _ in range(3):
+        accept_text(constraint, TIME_CALL)
+        assert EOS in allowed_ids(constraint.allowed_token_bitmask(), 258)
+        accept_text(constraint, "\n")
+        # The separator is also the newline a model writes before it ends: the end stays allowed after it.
+        allowed = allowed_ids(constraint.allowed_token_bitmask(), 258)
+        assert EOS in allowed and ord("<") in allowed
+    # trailing whitespace is bounded: then only the end
+    constraint = grammar.new_constraint()
+    accept_text(constraint, TIME_CALL + "\n \n ")
+    assert allowed_ids(constraint.allowed_token_bitmask(), 258) == [EOS]
+    # and the calls still parse: whitespace after them is not content
+    plan = OutputPlan(tool_format=FORMATS["hermes"], tool_names=frozenset({"get_weather", "get_time"}))
+    parser = OutputParser(plan)
+    parts = [parser.feed(f"{TIME_CALL}\n{TIME_CALL}\n", 1), parser.finish()]
+    assert [c.name for p in parts for c in p.tool_calls] == ["get_time", "get_time"]
+    assert not "".join(p.content for p in parts)
 
 
 def test_tool_choice_auto_is_free_text_until_the_tag(compiler):
