@@ -30,7 +30,8 @@ class BlockCodes:
     bits: int  # 4: codes uint8 0..15; 8: codes int8
     codes: torch.Tensor  # (N, K/32, 32)
     scales: torch.Tensor  # (N, K/S): fp16 d, or with super_scales the 8-bit sub-block scales
-    offsets: torch.Tensor | None = None  # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none
+    # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none (4-bit codes: m = -8 d, Q4_0)
+    offsets: torch.Tensor | None = None
     super_scales: torch.Tensor | None = None  # (N, K/256, 2) fp16: D and -Dmin of each super-block
 
     def map_rows(self, f) -> BlockCodes:
@@ -54,7 +55,8 @@ class PackedWeight:
     codes: torch.Tensor  # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8
     # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales
     scales: torch.Tensor
-    # (N/16, K/32, 16): fp16 m, or with super_scales the uint8 sub-block mins; empty: no offset (w = d q)
+    # (N/16, K/32, 16): fp16 m, or with super_scales the uint8 sub-block mins; empty: no offset (w = d q),
+    # or for 4-bit codes m = -8 d (Q4_0)
     offsets: torch.Tensor = _NONE
     # (N/16, K/256, 2, 16) fp16: each super-block's D and -Dmin (k-quants: d = D sc, m = -Dmin mn); empty: none
     super_scales: torch.Tensor = _NONE
@@ -99,6 +101,8 @@ class PackedWeight:
         scale_weights = in_features // self.scales.shape[1]
         d = self.scales[group, :, row].float()  # (T, K/S)
         m = self.offsets[group, :, row].float() if self.offsets.numel() else None  # (T, K/32)
+        if m is None and self.bits == 4:  # Q4_0: w = d (q - 8)
+            m = -8 * d
         if self.super_scales.numel():  # d = D sc, m = (-Dmin) mn, in fp32 as ggml forms them
             per_super = self.super_scales[group, :, :, row].float()  # (T, K/256, 2)
             d = per_super[:, :, 0].repeat_interleave(SUPER_BLOCK // scale_weights, dim=1) * d
@@ -219,9 +223,12 @@ def find_packed(weight: torch.Tensor) -> PackedWeight | None:
 
 def _find_packed_rows(weight: torch.Tensor) -> PackedWeight | None:
     blocks = weight.reshape(weight.shape[0], -1, BLOCK)  # (N, K/32, 32)
+    # Q4_0's form first: its offset is implied (m = -8 d), so it packs smaller than the same values as Q4_1.
+    found = _exact_four_bit_symmetric(blocks)
+    if found is not None:
+        codes, scale, _ = found
+        return pack_block_codes(BlockCodes(4, codes, scale))
     found = _exact_four_bit(blocks)
-    if found is None:
-        found = _exact_four_bit_symmetric(blocks)
     if found is not None:
         codes, scale, low = found
         return pack_block_codes(BlockCodes(4, codes, scale, low.half()))
@@ -244,9 +251,7 @@ def _exact_four_bit_symmetric(blocks: torch.Tensor):
     # the form d q + m with m = -8 d.
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
     scale = (largest / -8).half()
-    low = -8 * scale.float()
-    if not (low.half().float() == low).all():  # the kernel keeps m in fp16
-        return None
+    low = -8 * scale.float()  # exact: a power of two times an fp16 (the kernels form it the same way)
     return _four_bit_codes(blocks, scale, low)
 
 

@@ -42,7 +42,8 @@ def _unpack(packed) -> torch.Tensor:
         # chunk c, half h, element e: low nibble = weight 2(4c + h) + e, high = weight 2(4c + 2 + h) + e
         q = torch.stack([low, high], dim=3)  # (G, B, c, nibble, h, r, e)
         q = q.permute(0, 5, 1, 2, 3, 4, 6).reshape(groups, 16, num_blocks, BLOCK).float()
-        w = q * d.permute(0, 2, 1)[..., None] + packed.offsets.permute(0, 2, 1)[..., None]
+        m = packed.offsets.float() if packed.offsets.numel() else -8 * d  # Q4_0: w = d (q - 8)
+        w = q * d.permute(0, 2, 1)[..., None] + m.permute(0, 2, 1)[..., None]
     else:
         q = torch.where(raw > 127, raw - 256, raw)  # int8
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(groups, 16, num_blocks, BLOCK).float()
@@ -90,8 +91,8 @@ def _file_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
 def _offsets(block: BlockCodes) -> torch.Tensor:
     """m of every (row, block of 32) as fp32, zero for formats without one."""
     rows, num_blocks = block.codes.shape[:2]
-    if block.offsets is None:
-        return torch.zeros(rows, num_blocks)
+    if block.offsets is None:  # 4-bit codes without offsets are Q4_0's: m = -8 d
+        return -8 * block.scales.float() if block.bits == 4 else torch.zeros(rows, num_blocks)
     if block.super_scales is None:
         return block.offsets.float()
     return block.super_scales[..., 1].float().repeat_interleave(8, dim=1) * block.offsets.float()

@@ -5,7 +5,8 @@
 // Every layout stores codes (4-bit in nibbles, or int8) in groups of 16 output rows, and for each row and
 // scale block of 16 or 32 weights a scale d and, where the format has one, an offset m: w = d q + m. The
 // layouts differ only in how d and m are stored:
-//   kQ4     4-bit codes, fp16 d and m per 32 (GGUF Q4_0, Q4_1)
+//   kQ4     4-bit codes, fp16 d and m per 32 (GGUF Q4_1)
+//   kQ4Sym  4-bit codes, fp16 d per 32, m = -8 d (Q4_0: w = d (q - 8))
 //   kQ8     int8 codes, fp16 d per 32, no m (Q8_0; Q5_0 as q - 16)
 //   kQ8Min  int8 codes, fp16 d and m per 32 (Q5_1)
 //   kQ4K    4-bit codes; per 256 an fp16 d and -dmin, per 32 a 6-bit scale and min: d = D sc, m = -Dmin mn
@@ -26,11 +27,11 @@ constexpr int64_t kGroup = 16;        // output rows per packed group
 constexpr int64_t kSuperWeights = 256;  // weights per k-quant super-block
 constexpr int64_t kChunkBytes = 64;
 
-enum class Layout { kQ4, kQ8, kQ8Min, kQ4K, kQ8K, kQ8K16 };
+enum class Layout { kQ4, kQ4Sym, kQ8, kQ8Min, kQ4K, kQ8K, kQ8K16 };
 
 template <Layout L>
 struct Traits {
-  static constexpr bool kFourBit = L == Layout::kQ4 || L == Layout::kQ4K;
+  static constexpr bool kFourBit = L == Layout::kQ4 || L == Layout::kQ4Sym || L == Layout::kQ4K;
   static constexpr bool kSuper = L == Layout::kQ4K || L == Layout::kQ8K || L == Layout::kQ8K16;
   static constexpr bool kOffsets = L != Layout::kQ8 && L != Layout::kQ8K16;
   static constexpr int64_t kScaleWeights = L == Layout::kQ8K16 ? 16 : 32;  // weights per d (and m)
@@ -54,7 +55,11 @@ inline void block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, 
   using T = Traits<L>;
   const int64_t at = (G * (w.K / T::kScaleWeights) + s) * kGroup;
   for (int v = 0; v < kGroup; v += simd::kWidth) {
-    if constexpr (!T::kSuper) {
+    if constexpr (L == Layout::kQ4Sym) {
+      const simd::Vec scale = simd::load(static_cast<const at::Half*>(w.scales) + at + v);
+      simd::store(d + v, scale);
+      simd::store(m + v, simd::mul(scale, simd::set1(-8.0f)));  // exact: a power of two
+    } else if constexpr (!T::kSuper) {
       simd::store(d + v, simd::load(static_cast<const at::Half*>(w.scales) + at + v));
       if constexpr (T::kOffsets) simd::store(m + v, simd::load(static_cast<const at::Half*>(w.offsets) + at + v));
     } else {

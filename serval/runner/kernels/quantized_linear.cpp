@@ -234,6 +234,7 @@ GroupRows group_rows_for(int64_t rows) {
 GroupRows group_rows_for(Layout layout, int64_t rows) {
   switch (layout) {
     case Layout::kQ4: return group_rows_for<Layout::kQ4>(rows);
+    case Layout::kQ4Sym: return group_rows_for<Layout::kQ4Sym>(rows);
     case Layout::kQ8: return group_rows_for<Layout::kQ8>(rows);
     case Layout::kQ8Min: return group_rows_for<Layout::kQ8Min>(rows);
     case Layout::kQ4K: return group_rows_for<Layout::kQ4K>(rows);
@@ -257,7 +258,7 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
   const int64_t scale_weights = scales.size(1) > 0 ? K / scales.size(1) : 0;
   Layout layout;
   if (!has_super) {
-    layout = four_bit ? Layout::kQ4 : (has_offsets ? Layout::kQ8Min : Layout::kQ8);
+    layout = four_bit ? (has_offsets ? Layout::kQ4 : Layout::kQ4Sym) : (has_offsets ? Layout::kQ8Min : Layout::kQ8);
     TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!has_offsets || offsets.scalar_type() == torch::kHalf),
                 "fp16 scales and offsets");
   } else {
@@ -270,8 +271,7 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
     TORCH_CHECK(scales.scalar_type() == sub_type && (!has_offsets || offsets.scalar_type() == torch::kByte),
                 "k-quant sub-block scales and mins: 8-bit");
   }
-  TORCH_CHECK(layout != Layout::kQ4 || has_offsets, "4-bit codes need offsets");
-  TORCH_CHECK(layout != Layout::kQ4K || has_offsets, "4-bit codes need offsets");
+  TORCH_CHECK(layout != Layout::kQ4K || has_offsets, "k-quant 4-bit codes need their mins");
   TORCH_CHECK(scale_weights == (layout == Layout::kQ8K16 ? 16 : 32) && scales.size(1) * scale_weights == K,
               "one scale per 32 weights (Q6_K's layout: per 16)");
   TORCH_CHECK(!has_offsets || (offsets.dim() == 3 && offsets.size(0) == codes.size(0) &&

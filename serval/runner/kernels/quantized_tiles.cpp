@@ -132,6 +132,7 @@ void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, 
                               float* out, int64_t out_stride) {
   switch (layout) {
     case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
     case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride); break;
     case Layout::kQ8Min: matmul_impl<Layout::kQ8Min>(x, M, w, num_groups, out, out_stride); break;
     case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;

@@ -8,6 +8,7 @@ Everything downstream of this module sees the same names and values a safetensor
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -214,6 +215,19 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
+def _release_pages(reader: GGUFReader, offset: int, length: int) -> None:
+    """Drop a read tensor's pages of the file mapping from this process (they stay in the page cache).
+
+    The reader maps the whole file; every page read stays resident, counted in this process's memory, until
+    the mapping goes, so a load would peak at the file's size on top of the packed model."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    begin = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapping))
+    mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order, restoring Hugging Face's.
 
@@ -286,4 +300,5 @@ def iter_gguf_weights(
             if permuted:
                 codes = codes.map_rows(lambda t, heads=heads_of[part]: _unpermute_rows(t, heads))
             packed_forms[name] = pack_block_codes(codes)
+        _release_pages(reader, tensor.data_offset, tensor.n_bytes)  # both results own their memory
         yield name, weight
