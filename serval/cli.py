@@ -105,6 +105,12 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-queue-len", type=int, help="most requests waiting; beyond it 429")
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        help="most sequences (prompts x n) one request may ask for; beyond it 400 (default 256, at most "
+        "--max-queue-len)",
+    )
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, help="KV-cache memory, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks (overrides memory)")
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
@@ -113,6 +119,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--max-pinned-kv-fraction", type=float, help="KV cache that cache_control may pin (default 0.25)"
     )
     p.add_argument("--request-timeout", type=float, help="seconds a request may take (default 600)")
+    p.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        help="on SIGTERM, how long requests in flight may run before they are cut off (default 20)",
+    )
     p.add_argument("--max-request-body-bytes", type=byte_size, help="largest request body (default 4MiB)")
     p.add_argument("--full-text-enabled", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chat-template", help="a Jinja chat template file (or the template itself)")
@@ -180,9 +191,11 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
         {"host": "host", "port": "port", "ssl_keyfile": "ssl_keyfile", "ssl_certfile": "ssl_certfile",
          "request_timeout": "request_timeout", "max_request_body_bytes": "max_request_body_bytes",
          "max_input_tokens": "max_input_tokens", "max_iter_times": "max_iter_times",
-         "full_text_enabled": "full_text_enabled", "log_level": "log_level"},
+         "full_text_enabled": "full_text_enabled", "log_level": "log_level",
+         "shutdown_grace_seconds": "shutdown_grace_seconds"},
     )  # fmt: skip
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
+    fields["max_seqs_per_request"] = max_seqs_per_request(options)
     fields["api_keys"] = tuple(options.get("api_key") or ())
     fields["admin_api_keys"] = tuple(options.get("admin_api_key") or ())
     fields["lora_root"] = lora_root_directory(options.get("lora_root"))
@@ -203,11 +216,25 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     return ServerConfig(**fields)
 
 
+def max_seqs_per_request(options: dict[str, Any]) -> int:
+    """The per-request cap on sequences; no larger than the waiting queue, or a request under it could never be
+    admitted (admission is all or nothing). Unset, the default shrinks to fit a smaller queue."""
+    max_queue_len = options.get("max_queue_len", SchedulerConfig.max_queue_len)
+    cap = options.get("max_seqs_per_request")
+    if cap is None:
+        return min(ServerConfig.max_seqs_per_request, max_queue_len)
+    if cap > max_queue_len:
+        raise ValueError(
+            f"max_seqs_per_request ({cap}) is more than max_queue_len ({max_queue_len}): a request of that many "
+            "sequences could never be admitted"
+        )
+    return cap
+
+
 def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
     # Heavy imports here: `serval --help` and config errors stay fast.
-    import uvicorn
-
     from serval.api.app import build_app
+    from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
     from serval.serving.frontend import Frontend
@@ -229,6 +256,7 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
             server.max_input_tokens,
             server.max_iter_times,
             tool_call_format=server.tool_call_parser,
+            max_seqs_per_request=server.max_seqs_per_request,
         )
         app = build_app(server, frontend)
         # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out
@@ -240,15 +268,8 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
         # names its code path; /version and the serval_model_info metric say the same.
         logger.info("model %s: %s", server.model_name, client.runner_info.describe())
         logger.info("serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port)
-        uvicorn.run(
-            app,
-            host=server.host,
-            port=server.port,
-            ssl_keyfile=server.ssl_keyfile,
-            ssl_certfile=server.ssl_certfile,
-            log_level=server.log_level,
-            timeout_graceful_shutdown=5,
-        )
+        if not run(app, server, frontend):
+            sys.exit(STARTUP_FAILURE)  # the port is taken, ...: uvicorn logged why
     finally:
         client.shutdown()
 

@@ -40,10 +40,16 @@ class ServerConfig:
     # Seconds a request may take end to end; when it runs out the request is cut off with what it has so
     # far (finish_reason "length") rather than failed. None: no limit.
     request_timeout: float | None = 600.0
+    # On SIGTERM: seconds the requests in flight may still run (new ones are refused) before each is cut off
+    # with what it has; the process then exits 0. Under Kubernetes' default 30 s before SIGKILL, with room.
+    shutdown_grace_seconds: float = 20.0
     # MindIE's maxInputTokenLen: the longest prompt accepted (also bounded by the context length).
     max_input_tokens: int | None = None
     # MindIE's maxIterTimes: the default and the cap of max_tokens. None: up to the context length.
     max_iter_times: int | None = None
+    # Most sequences one request may ask for (its prompts x max(n, best_of)); beyond it a 400 naming `prompt` or
+    # `n`. Never more than the engine's max_queue_len (the CLI checks), so a request under it can be admitted.
+    max_seqs_per_request: int = 256
     # MindIE's fullTextEnabled: stream deltas carry the whole text so far and the last chunk has full_text.
     full_text_enabled: bool = False
     # A Jinja chat template that replaces the model's own.
@@ -70,6 +76,10 @@ class ServerConfig:
             raise ValueError(f"max_input_tokens must be positive, got {self.max_input_tokens}")
         if self.max_iter_times is not None and self.max_iter_times < 1:
             raise ValueError(f"max_iter_times must be positive, got {self.max_iter_times}")
+        if self.shutdown_grace_seconds < 0:
+            raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")
+        if self.max_seqs_per_request < 1:
+            raise ValueError(f"max_seqs_per_request must be positive, got {self.max_seqs_per_request}")
 
     @property
     def model_name(self) -> str:
@@ -141,6 +151,7 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         "port": _typed(server, "port", int, "ServerConfig"),
         "full_text_enabled": _typed(server, "fullTextEnabled", bool, "ServerConfig"),
         "request_timeout": _typed(server, "e2eTimeout", float, "ServerConfig"),
+        "shutdown_grace_seconds": _typed(server, "shutdownGraceSeconds", float, "ServerConfig"),
         "max_model_len": _typed(deploy, "maxSeqLen", int, "ModelDeployConfig"),
         "max_input_tokens": _typed(deploy, "maxInputTokenLen", int, "ModelDeployConfig"),
         "max_num_seqs": _typed(schedule, "maxBatchSize", int, "ScheduleConfig"),
@@ -148,6 +159,7 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         "max_num_batched_tokens": _typed(schedule, "maxPrefillTokens", int, "ScheduleConfig"),
         "block_size": _typed(schedule, "cacheBlockSize", int, "ScheduleConfig"),
         "max_queue_len": _typed(schedule, "maxQueueLen", int, "ScheduleConfig"),
+        "max_seqs_per_request": _typed(schedule, "maxSeqsPerRequest", int, "ScheduleConfig"),
     }
     if options["host"] == "0.0.0.0" and server.get("allowAllZeroIpListening") is not True:
         # MindIE refuses all-zero listening unless the file opts in; keep that safety.

@@ -27,17 +27,26 @@ from serval.api.lora_routes import ADMIN_PATHS, add_lora_routes, lora_model_card
 from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
 from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serval.api.responses import chat_completion, text_completion
+from serval.api.shutdown import DrainGate
 from serval.api.sse import StreamFormat, stream_events, usage_mode
 from serval.api.version import model_facts, package_version
 from serval.server_config import ServerConfig
 from serval.serving.choices import keep_best
-from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
+from serval.serving.errors import (
+    EngineError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ServerBusyError,
+    ShuttingDownError,
+)
 from serval.serving.frontend import Frontend
 from serval.serving.stream import ChoiceDelta, Completion, Event, Usage, fold
 from serval.serving.template_roles import accepted_roles
 
 T = TypeVar("T")
 
+# What serving raises for a request it refuses or fails: each has its status (api/errors.py from_serving).
+SERVING_ERRORS = (InvalidRequestError, ModelNotFoundError, ServerBusyError, ShuttingDownError, EngineError)
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics do
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ROUTES = frozenset(
@@ -130,7 +139,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         except ClientGone:
             # The cancelled task already closed the generation (its engine requests are aborted).
             return Response(status_code=STATUS_CLIENT_GONE)
-        except (InvalidRequestError, ModelNotFoundError, ServerBusyError, EngineError) as e:
+        except SERVING_ERRORS as e:
             await events.aclose()
             raise from_serving(e) from e
 
@@ -143,6 +152,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         options = chat_options(chat)
         is_stream = bool(chat.stream)
         params = req.chat_sampling_params(chat, is_stream, vocab_size)
+        frontend.check_num_sequences(1, params, "messages")  # before the template and a grammar compile
         messages, continue_final = req.template_messages(chat.messages, chat.continue_final_message, roles)
         prompt, output, num_pinned = await frontend.prepare_chat(
             messages,
@@ -193,16 +203,16 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             )
         is_stream = bool(body.stream)
         params = req.completion_sampling_params(body, is_stream, vocab_size)
+        given = req.completion_prompts(body.prompt)
+        frontend.check_num_sequences(len(given), params, "prompt")  # before tokenizing thousands of prompts
         prompts = []
-        for prompt in req.completion_prompts(body.prompt):
+        for prompt in given:
             if isinstance(prompt, str):
                 prompts.append(frontend.encode_prompt(prompt))
             else:
                 frontend.check_token_ids(prompt, "prompt")
                 prompts.append(list(prompt))
-        echoes = [
-            frontend.decode(p) if not isinstance(p, str) else p for p in req.completion_prompts(body.prompt)
-        ]
+        echoes = [frontend.decode(p) if not isinstance(p, str) else p for p in given]
         echoes = echoes if body.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -297,7 +307,8 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     add_lora_routes(app, config, frontend)
     app.state.metrics = metrics
     app.state.frontend = frontend
-    # Outermost first: count every status (401s included), then authenticate.
+    # Outermost first: count every status (401s included), authenticate, then refuse while shutting down.
+    app.add_middleware(DrainGate, drain=frontend.drain)
     app.add_middleware(
         APIKeyAuth, api_keys=config.api_keys, admin_keys=config.admin_api_keys, admin_paths=ADMIN_PATHS
     )

@@ -4,8 +4,8 @@ code}}.
 Owns the mapping from what went wrong to a status: a malformed or invalid request is a 400 (FastAPI's 422 is
 turned into 400, as OpenAI answers), an unknown model or adapter 404, a missing key 401 (a non-admin key on an
 admin route 403), a LoRA adapter in use or no free adapter slot 409, too large a body 413, a full queue 429
-with Retry-After. Nothing reaches the client as a traceback; an unexpected exception is logged and
-answered with a plain 500 body.
+with Retry-After, a server shutting down 503. Nothing reaches the client as a traceback; an unexpected
+exception is logged and answered with a plain 500 body.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from serval.serving.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     ServerBusyError,
+    ShuttingDownError,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,17 @@ def from_serving(error: Exception) -> APIError:
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
+    if isinstance(error, ShuttingDownError):
+        return shutting_down()
     if isinstance(error, EngineError):
         return APIError(500, str(error), code="engine_error")
     logger.error("unexpected error while serving a request", exc_info=error)
     return APIError(500, "internal server error", code="internal_error")
+
+
+def shutting_down() -> APIError:
+    """The 503 of a request that arrives while the server drains (api/shutdown.py); the connection closes."""
+    return APIError(503, "the server is shutting down", code="shutting_down", headers={"Connection": "close"})
 
 
 def param_path(loc: tuple[Any, ...]) -> str | None:
@@ -161,6 +169,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(InvalidRequestError, on_unexpected)
     app.add_exception_handler(ServerBusyError, on_unexpected)
+    app.add_exception_handler(ShuttingDownError, on_unexpected)
     app.add_exception_handler(ModelNotFoundError, on_unexpected)
     app.add_exception_handler(ConflictError, on_unexpected)
     app.add_exception_handler(Exception, on_unexpected)

@@ -1,8 +1,13 @@
 """EngineClient: the seam between an asyncio front end and the engine running on its own thread.
 
 The engine thread owns the Engine: only it calls add/abort/step. The event loop talks to it through a
-command queue, and gets each request's deltas back on an asyncio.Queue of its own. Closing a generate()
-iterator early (a client that went away) aborts its request, whose blocks are freed at the next step.
+command queue, and gets each request's deltas back on a RequestStream of its own. Closing a stream before it
+finished (a client that went away) aborts its request, whose blocks are freed at the next step.
+
+Admission is all or nothing: `add_requests` takes every sequence of one API request (n, best_of, several
+prompts) at once, checks them all against the prompt rules and the waiting queue's free room, and either
+hands them to the engine thread as one command (added together, before any step runs one) or raises before
+anything is queued. So a refused request leaves nothing running and no KV block held.
 """
 
 from __future__ import annotations
@@ -53,10 +58,56 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+@dataclass(frozen=True)
+class NewRequest:
+    """One engine request to add: what `Engine.add_request` takes, as one value (filled by serving)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    constraint: TokenConstraint | None = None  # serving's grammar matcher, one per request
+    num_pinned_prompt_tokens: int = 0  # leading prompt tokens to pin in the explicit cache
+    # Another request of the same add_requests call with the same prompt (n / best_of) whose prompt blocks
+    # this one forks instead of computing them again.
+    share_prompt_with: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
+
+
+class RequestStream:
+    """The outputs of one admitted request, read on the event loop: iterate it once. close() aborts the
+    request unless it finished; it never awaits (safe in a cancelled scope) and may be called again."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutputs, or an exception to raise
+        self.is_finished = False
+        self._client = client
+        self._is_closed = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.is_finished:
+                output = await self.queue.get()
+                if isinstance(output, Exception):
+                    self.is_finished = True
+                    raise output
+                if output.error is not None and output.finish_reason == "abort":
+                    self.is_finished = True
+                    raise ValueError(output.error)
+                self.is_finished = output.finished
+                yield output
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._client._forget(self.request_id)
+        if not self.is_finished:
+            self._client.abort(self.request_id)
 
 
 class EngineClient:
@@ -68,9 +119,9 @@ class EngineClient:
         # layers above read the runner's facts here (start-up log, /metrics, /version), never from the runner.
         self.runner_info: RunnerInfo = engine.runner.info
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
-        self._num_pending = 0  # adds sent but not yet taken by the engine thread
+        self._num_pending = 0  # requests sent to the engine thread but not yet taken by it
         self._stopped = threading.Event()
         # The loaded adapters, for the event loop to read without a lock: the engine thread replaces the
         # dict whole after each load or unload (copy on write), never changes it in place.
@@ -102,6 +153,42 @@ class EngineClient:
 
     # ---- event-loop side
 
+    def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Admit all of `requests` or none. Raises before anything is queued: ValueError (a prompt the
+        context can't hold, a request id in use, more requests than the queue could ever hold),
+        UnknownLoraError, QueueFullError (the waiting queue has no room for all of them), EngineDeadError."""
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine has stopped")
+        for request in requests:
+            self.engine.check_prompt(len(request.prompt_token_ids), request.params)  # with the numbers
+            if request.lora_name is not None and request.lora_name not in self.loras:
+                # Checked again on the engine thread: an unload may get there first (also UnknownLoraError).
+                raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
+        ids = [request.request_id for request in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be distinct")
+        max_queue_len = self.engine.config.scheduler.max_queue_len
+        if len(requests) > max_queue_len:
+            raise ValueError(
+                f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
+            )
+        streams = [RequestStream(self, request_id) for request_id in ids]
+        with self._lock:
+            # Every new request counts as waiting until the engine schedules it: the whole request must fit.
+            num_waiting = self.engine.num_waiting + self._num_pending
+            if num_waiting + len(requests) > max_queue_len:
+                raise QueueFullError(
+                    f"{num_waiting} requests are waiting and this one adds {len(requests)}; at most "
+                    f"{max_queue_len} may wait"
+                )
+            in_use = [request_id for request_id in ids if request_id in self._streams]
+            if in_use:
+                raise ValueError(f"request id {in_use[0]!r} is already in use")
+            self._streams.update(zip(ids, streams))
+            self._num_pending += len(requests)
+        self._commands.put(("add", list(requests)))
+        return streams
+
     async def generate(
         self,
         request_id: str,
@@ -110,61 +197,27 @@ class EngineClient:
         eos_token_ids: tuple[int, ...] = (),
         constraint: TokenConstraint | None = None,
         num_pinned_prompt_tokens: int = 0,
-        share_prompt_with: str | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request. share_prompt_with: the id of a request with the same prompt (another of
-        n / best_of sequences) whose prompt blocks this one forks instead of computing them again."""
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine has stopped")
-        self.engine.check_prompt(len(prompt_token_ids), params)  # ValueError with the numbers
-        if lora_name is not None and lora_name not in self.loras:
-            # Checked again on the engine thread: an unload may get there first (also UnknownLoraError).
-            raise UnknownLoraError(f"the LoRA adapter {lora_name!r} is not loaded")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            num_waiting = len(self.engine.scheduler.waiting) + self._num_pending
-            if num_waiting >= self.engine.config.scheduler.max_queue_len:
-                raise QueueFullError(f"{num_waiting} requests are already waiting")
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._num_pending += 1
-        self._commands.put(
-            (
-                "add",
-                request_id,
-                list(prompt_token_ids),
-                params,
-                tuple(eos_token_ids),
-                constraint,
-                num_pinned_prompt_tokens,
-                share_prompt_with,
-                lora_name,
-            )
-        )
-        finished = False
+        """Deltas of one request (add_requests of one); closing the iterator early aborts it."""
+        request = NewRequest(
+            request_id, list(prompt_token_ids), params, tuple(eos_token_ids), constraint,
+            num_pinned_prompt_tokens, lora_name=lora_name,
+        )  # fmt: skip
+        (stream,) = self.add_requests([request])
         try:
-            while True:
-                output = await stream.queue.get()
-                if isinstance(output, Exception):
-                    finished = True
-                    raise output
-                if output.error is not None and output.finish_reason == "abort":
-                    finished = True
-                    raise ValueError(output.error)
-                finished = output.finished
+            async for output in stream:
                 yield output
-                if finished:
-                    return
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def _forget(self, request_id: str) -> None:
+        # Its outputs have no reader any more (see RequestStream.close).
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     async def load_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoraCard:
         """Read and check the adapter off the engine thread, then copy it into a slot on it. LoraError (or
@@ -193,7 +246,7 @@ class EngineClient:
         bm = engine.block_manager
         return EngineStats(
             num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting) + self._num_pending,
+            num_waiting=engine.num_waiting + self._num_pending,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             num_prefix_cache_queries=bm.num_queried_tokens,
@@ -244,31 +297,7 @@ class EngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            (
-                _,
-                request_id,
-                prompt_token_ids,
-                params,
-                eos_token_ids,
-                constraint,
-                num_pinned,
-                leader,
-                lora_name,
-            ) = command
-            with self._lock:
-                self._num_pending -= 1
-                wanted = request_id in self._streams
-            if not wanted:
-                return  # the caller went away before the engine saw the request
-            try:
-                self.engine.add_request(
-                    request_id, prompt_token_ids, params, eos_token_ids, constraint, num_pinned, leader,
-                    lora_name=lora_name,
-                )  # fmt: skip
-            except UnknownLoraError as e:  # unloaded since generate() checked: raised as such there
-                self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)), e)
-            except ValueError as e:
-                self._deliver(_error_output(request_id, len(prompt_token_ids), str(e)))
+            self._add(command[1])
         elif kind == "abort":
             output = self.engine.abort_request(command[1])
             if output is not None:
@@ -285,6 +314,32 @@ class EngineClient:
             if error is None:
                 self.loras = dict(self.engine.loras.cards)
             _resolve(future, result, error)
+
+    def _add(self, requests: list[NewRequest]) -> None:
+        """Add one add_requests call's requests together, between steps; if the engine refuses one, none."""
+        with self._lock:
+            self._num_pending -= len(requests)
+            # A caller that went away before the engine saw its requests closed their streams.
+            wanted = [request for request in requests if request.request_id in self._streams]
+        added: list[str] = []
+        for request in wanted:
+            try:
+                self.engine.add_request(
+                    request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
+                    request.constraint, request.num_pinned_prompt_tokens, request.share_prompt_with,
+                    lora_name=request.lora_name,
+                )  # fmt: skip
+            except ValueError as e:  # UnknownLoraError included: unloaded since add_requests checked
+                # No step has run since the first of them was added: aborting them frees nothing yet held.
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                failure = e if isinstance(e, UnknownLoraError) else None  # raised as such by the stream
+                for other in wanted:
+                    self._deliver(
+                        _error_output(other.request_id, len(other.prompt_token_ids), str(e)), failure
+                    )
+                return
+            added.append(request.request_id)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):

@@ -56,6 +56,9 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        # n / best_of sequences parked on their leader until its prompt is computed: waiting, though not in
+        # the scheduler's queue (num_waiting counts them, so the queue limit does).
+        self.num_parked_followers = 0
         self.loras = LoraRegistry(info.max_loras)
         for module in config.lora.lora_modules:
             try:
@@ -109,6 +112,7 @@ class Engine:
             and leader.prompt_token_ids == request.prompt_token_ids
         ):
             leader.followers.append(request)  # scheduled when the leader's prompt is computed
+            self.num_parked_followers += 1
         else:
             self.scheduler.add(request)
 
@@ -155,8 +159,10 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request)
+        self.num_parked_followers -= len(request.followers)
         for follower in request.followers:
-            self.scheduler.add(follower)  # they compute the prompt themselves now
+            if follower.request_id in self.requests:  # not aborted meanwhile
+                self.scheduler.add(follower)  # they compute the prompt themselves now
         request.followers = []
         request.finish_reason = "abort"
         return self._output(request, [], None)
@@ -184,6 +190,11 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's queue and the followers parked on a leader."""
+        return len(self.scheduler.waiting) + self.num_parked_followers
 
     # ---- the step
 
@@ -281,6 +292,7 @@ class Engine:
         """The leader's prompt is computed: each follower takes its blocks by reference and recomputes only
         the last prompt token, which yields its own first logits (copy on write keeps the leader's block)."""
         max_num_seqs = self.config.scheduler.max_num_seqs
+        self.num_parked_followers -= len(leader.followers)
         for follower in leader.followers:
             if follower.request_id not in self.requests:
                 continue  # aborted meanwhile

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from serval.engine.beam_search import BeamSequence
 from serval.engine.outputs import RequestOutput
 from serval.sampling import SamplingParams
+from serval.serving.errors import InvalidRequestError
 from serval.serving.stream import Completion
 
 MAX_SEED = 2**64
@@ -27,6 +28,24 @@ class SequencePlan:
     params: SamplingParams  # n=1, its own seed, max_tokens resolved (beam search: n and best_of kept)
     num_choices: int = 1  # a beam search yields its n beams as n choices
     leader_index: int | None = None  # the sequence of the same prompt whose prompt blocks this one forks
+
+
+def check_num_sequences(num_prompts: int, params: SamplingParams, cap: int | None, param: str) -> None:
+    """InvalidRequestError if the request asks for more than `cap` sequences (prompts x max(n, best_of); a beam
+    search counts its beams), naming what asked for too many: the prompts (`param`) when they alone exceed
+    the cap, else `n` (or `best_of`, the larger)."""
+    per_prompt = max(params.n, params.best_of or 1)
+    if cap is None or num_prompts * per_prompt <= cap:
+        return
+    if num_prompts > cap:
+        culprit = param
+    else:
+        culprit = "best_of" if (params.best_of or 0) > params.n else "n"
+    raise InvalidRequestError(
+        f"the request asks for {num_prompts * per_prompt} sequences ({num_prompts} prompt(s) x {per_prompt}); "
+        f"at most {cap} are allowed per request",
+        culprit,
+    )
 
 
 def plan_sequences(

@@ -1,9 +1,13 @@
 """The ways `serving` refuses or fails a request, as exceptions the HTTP layer maps to status codes.
 
-Plain exceptions with the facts the client needs (which parameter, which numbers); no HTTP here.
+Plain exceptions with the facts the client needs (which parameter, which numbers), and the translation of
+the engine client's own (from_engine); no HTTP here.
 """
 
 from __future__ import annotations
+
+from serval.engine.client import EngineDeadError, QueueFullError
+from serval.engine.lora import UnknownLoraError
 
 
 class InvalidRequestError(ValueError):
@@ -16,6 +20,10 @@ class InvalidRequestError(ValueError):
 
 class ServerBusyError(RuntimeError):
     """The engine's waiting queue is full: a 429; the client should retry later."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down and takes no new work: a 503."""
 
 
 class EngineError(RuntimeError):
@@ -32,3 +40,16 @@ class ModelNotFoundError(LookupError):
 
 class ConflictError(RuntimeError):
     """The request conflicts with the server's state (an adapter in use, every adapter slot taken): a 409."""
+
+
+def from_engine(error: Exception) -> Exception:
+    """The serving exception for what the engine client raised."""
+    if isinstance(error, UnknownLoraError):  # unloaded after the API checked the name
+        return ModelNotFoundError(str(error), "model")
+    if isinstance(error, QueueFullError):
+        return ServerBusyError(str(error))
+    if isinstance(error, EngineDeadError):
+        return EngineError(str(error))
+    if isinstance(error, ValueError):  # the engine's own prompt checks (context length)
+        return InvalidRequestError(str(error))
+    return EngineError(f"generation failed: {error}")

@@ -1,11 +1,13 @@
 """Frontend: the text side of a request: messages -> prompt ids -> engine requests -> text events.
 
 Owns what the engine does not: the chat template and tokenization, the prompt-length rules (context length,
-MindIE's maxInputTokenLen and maxIterTimes), fanning one request out into n (or best_of) engine requests and
-merging their deltas, stop strings (an engine request is aborted at its stop string), the request deadline,
-and choosing the best n of best_of. For chat it also plans the answer's shape (serving/chat.py): tools in the
-prompt, the grammar compiled before submission, one constraint per engine request, and the reasoning and
-tool-call parsers of each choice. The HTTP layer above only validates and frames.
+MindIE's maxInputTokenLen and maxIterTimes), fanning one request out into n (or best_of) engine requests per
+prompt (at most --max-seqs-per-request in all, admitted together or not at all) and merging their deltas,
+stop strings (an engine request is aborted at its stop string), the request deadline and a shutdown's grace
+period (serving/drain.py), and choosing the best n of best_of. For chat it also plans the answer's shape
+(serving/chat.py): tools in the prompt, the grammar compiled before submission, one constraint per engine
+request, and the reasoning and tool-call parsers of each choice. The HTTP layer above only validates and
+frames.
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from serval.engine.client import EngineClient, EngineDeadError, EngineStats, QueueFullError, RunnerInfo
-from serval.engine.lora import UnknownLoraError
+from serval.engine.client import EngineClient, EngineStats, NewRequest, RequestStream, RunnerInfo
 from serval.sampling import SamplingParams
 from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
-from serval.serving.choices import SequencePlan, beam_choice_output, keep_best, plan_sequences
-from serval.serving.errors import EngineError, InvalidRequestError, ModelNotFoundError, ServerBusyError
+from serval.serving.choices import (
+    SequencePlan,
+    beam_choice_output,
+    check_num_sequences,
+    keep_best,
+    plan_sequences,
+)
+from serval.serving.drain import CUT_OFF, Drain
+from serval.serving.errors import InvalidRequestError, from_engine
 from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
@@ -43,8 +51,11 @@ class Frontend:
         max_input_tokens: int | None = None,
         max_iter_times: int | None = None,
         tool_call_format: str | None = None,
+        max_seqs_per_request: int | None = None,
     ) -> None:
         self.engine = engine
+        # Most sequences (prompts x max(n, best_of)) one request may ask for; None: only the queue bounds it.
+        self.max_seqs_per_request = max_seqs_per_request
         self.tokenizer = tokenizer
         source = chat_template or tokenizer.chat_template
         self.template_source = source
@@ -56,6 +67,7 @@ class Frontend:
         self.tool_format = format_for_template(source, tool_call_format)
         self.grammars = GrammarCompiler(tokenizer)  # xgrammar is imported on the first structured request
         self.loras = LoraAdapters(engine)
+        self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
 
     @property
     def max_model_len(self) -> int:
@@ -207,9 +219,14 @@ class Frontend:
 
     def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[SequencePlan]:
         """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
+        self.check_num_sequences(len(prompts), params, param)
         return plan_sequences(
             prompts, params, lambda prompt: self.resolve_max_tokens(len(prompt), params.max_tokens, param)
         )
+
+    def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
+        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences)."""
+        check_num_sequences(num_prompts, params, self.max_seqs_per_request, param)
 
     async def generate(
         self,
@@ -226,20 +243,29 @@ class Frontend:
         """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
         aborts every engine request still running. num_pinned_prompt_tokens: the leading tokens of every
         prompt to pin in the explicit cache (cache_control). lora_name: the LoRA adapter to generate with
-        (ModelNotFoundError if it is not loaded); None: the base model."""
+        (ModelNotFoundError if it is not loaded); None: the base model.
+
+        Every sequence is admitted or none: a refusal (ServerBusyError for a full queue, ...) is raised at the
+        first event, before anything reaches the engine. The request timeout and the end of a shutdown's grace
+        period (serving/drain.py) cut every choice off with what it has."""
         sequences = self.plan(prompts, params, param)
         streams = [
             ChoiceStream(s.index + k, self.tokenizer, s.params, return_logprobs, output_plan)
             for s in sequences
             for k in range(s.num_choices)
         ]
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(
-                self._pump(request_id, s, queue, output_plan, num_pinned_prompt_tokens, lora_name=lora_name)
-            )
+        new_requests = [
+            self._new_request(request_id, s, output_plan, num_pinned_prompt_tokens, lora_name)
             for s in sequences
         ]
+        queue: asyncio.Queue = asyncio.Queue()
+        self.drain.register(queue)  # ShuttingDownError once the grace period is over
+        try:
+            outputs = self.engine.add_requests(new_requests)
+        except Exception as e:  # translated for the HTTP layer
+            self.drain.unregister(queue)
+            raise from_engine(e) from e
+        tasks = [asyncio.create_task(self._pump(s, o, queue)) for s, o in zip(sequences, outputs)]
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         num_open = len(tasks)
@@ -247,12 +273,15 @@ class Frontend:
             while num_open:
                 try:
                     remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                    index, item = await asyncio.wait_for(queue.get(), remaining)
+                    entry = await asyncio.wait_for(queue.get(), remaining)
                 except TimeoutError:
+                    entry = CUT_OFF
+                if entry is CUT_OFF:
                     for stream in streams:
                         if not stream.is_finished:
                             yield stream.cut_off()
                     break
+                index, item = entry
                 if item is None:
                     num_open -= 1
                     continue
@@ -270,9 +299,13 @@ class Frontend:
             yield usage
         finally:
             # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
-            # cancelled again. Cancelling a pump closes its engine iterator, which aborts the request.
+            # cancelled again. Closing a stream aborts its engine request unless it finished; a pump that never
+            # ran would not close its own.
+            self.drain.unregister(queue)
             for task in tasks:
                 task.cancel()
+            for output in outputs:
+                output.close()
 
     async def complete(
         self,
@@ -289,31 +322,30 @@ class Frontend:
         async with contextlib.aclosing(events):
             return keep_best(await fold(events), params)
 
-    async def _pump(
+    def _new_request(
         self,
         request_id: str,
         sequence: SequencePlan,
-        queue: asyncio.Queue,
         plan: OutputPlan | None,
-        num_pinned_prompt_tokens: int = 0,
-        lora_name: str | None = None,
-    ) -> None:
-        # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
+        num_pinned_prompt_tokens: int,
+        lora_name: str | None,
+    ) -> NewRequest:
         tokenizer = self.tokenizer
         leader = sequence.leader_index
-        outputs = None
+        return NewRequest(
+            f"{request_id}-{sequence.index}",
+            sequence.prompt_token_ids,
+            sequence.params,
+            tokenizer.eos_token_ids,
+            constraint=plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None,
+            num_pinned_prompt_tokens=num_pinned_prompt_tokens,
+            share_prompt_with=None if leader is None else f"{request_id}-{leader}",
+            lora_name=lora_name,
+        )
+
+    async def _pump(self, sequence: SequencePlan, outputs: RequestStream, queue: asyncio.Queue) -> None:
+        # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
         try:  # NOTE: everything inside, so that whatever fails still ends with the None the caller waits for
-            constraint = plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None
-            outputs = self.engine.generate(
-                f"{request_id}-{sequence.index}",
-                sequence.prompt_token_ids,
-                sequence.params,
-                tokenizer.eos_token_ids,
-                constraint=constraint,
-                num_pinned_prompt_tokens=num_pinned_prompt_tokens,
-                share_prompt_with=None if leader is None else f"{request_id}-{leader}",
-                lora_name=lora_name,
-            )
             async for output in outputs:
                 if output.beams is None:
                     queue.put_nowait((sequence.index, output))
@@ -321,19 +353,10 @@ class Frontend:
                 # Beam search answers once, at the end ("pseudo streaming"): one finished output per beam.
                 for k, beam in enumerate(output.beams):
                     queue.put_nowait((sequence.index + k, beam_choice_output(output, beam)))
-        except UnknownLoraError as e:  # unloaded after the API checked the name
-            queue.put_nowait((sequence.index, ModelNotFoundError(str(e), "model")))
-        except QueueFullError as e:
-            queue.put_nowait((sequence.index, ServerBusyError(str(e))))
-        except EngineDeadError as e:
-            queue.put_nowait((sequence.index, EngineError(str(e))))
-        except ValueError as e:  # the engine's own prompt check (context length)
-            queue.put_nowait((sequence.index, InvalidRequestError(str(e))))
         except Exception as e:  # noqa: BLE001 - reported to the client, never a hang
-            queue.put_nowait((sequence.index, EngineError(f"generation failed: {e}")))
+            queue.put_nowait((sequence.index, from_engine(e)))
         finally:
-            if outputs is not None:
-                await outputs.aclose()
+            outputs.close()
             queue.put_nowait((sequence.index, None))
 
     def _usage(

@@ -20,7 +20,13 @@ class AppClient:
 
     def __init__(self, config: ServerConfig, engine: FakeEngine) -> None:
         self.engine = engine
-        self.app = build_app(config, Frontend(engine, ByteTokenizer(), max_iter_times=config.max_iter_times))
+        frontend = Frontend(
+            engine,
+            ByteTokenizer(),
+            max_iter_times=config.max_iter_times,
+            max_seqs_per_request=config.max_seqs_per_request,
+        )
+        self.app = build_app(config, frontend)
         self.loop = asyncio.new_event_loop()
         transport = httpx.ASGITransport(app=self.app)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://test")

@@ -58,6 +58,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.is_queue_full = False
+        self.num_added = 0  # engine requests admitted
         self.loras: dict = {}  # name -> LoraCard, as EngineClient.loras
         self.max_loras = 2
         self.lora_names: dict[str, str | None] = {}  # request id -> the adapter it asked for
@@ -69,66 +70,22 @@ class FakeEngine:
             architecture="FakeForCausalLM", weight_format="Q4_1+Q8_0", kernel_variant="avx2", num_threads=3,
         )  # fmt: skip
 
-    async def generate(
-        self,
-        request_id,
-        prompt_token_ids,
-        params,
-        eos_token_ids=(),
-        constraint=None,
-        num_pinned_prompt_tokens=0,
-        share_prompt_with=None,
-        lora_name=None,
-    ):
-        import asyncio
-        import math
-
+    def add_requests(self, requests):
+        """As EngineClient.add_requests: every request is checked before any is admitted."""
         from serval.engine.client import QueueFullError
         from serval.engine.lora import UnknownLoraError
-        from serval.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
-        if lora_name is not None and lora_name not in self.loras:
-            raise UnknownLoraError(f"the LoRA adapter {lora_name!r} is not loaded")
-        self.lora_names[request_id] = lora_name
+        for request in requests:
+            if request.lora_name is not None and request.lora_name not in self.loras:
+                raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
+            if len(request.prompt_token_ids) + (request.params.max_tokens or 1) > self.max_model_len:
+                raise ValueError("the prompt does not fit")
         if self.is_queue_full:
             raise QueueFullError("1 requests are already waiting")
-        if len(prompt_token_ids) + (params.max_tokens or 1) > self.max_model_len:
-            raise ValueError("the prompt does not fit")
-        text = self.texts[(params.seed or 0) % len(self.texts)]
-        ids = list(text.encode())[: params.max_tokens] if params.max_tokens else list(text.encode())
-        stops = not params.max_tokens or len(text.encode()) < params.max_tokens
-        if stops:
-            ids.append(eos_token_ids[0])
-        metrics = RequestMetrics(arrival_time=0.0)
-        done = False
-        try:
-            for step, token_id in enumerate(ids):
-                await asyncio.sleep(self.delay)
-                last = step == len(ids) - 1
-                metrics.batch_sizes.append(1)
-                metrics.queue_wait_us.append(10)
-                logprob = -0.1 * ((params.seed or 0) + 1)
-                logprobs = None
-                if params.logprobs is not None:
-                    top = [(token_id, logprob), (0, math.log(0.01))][: params.logprobs]
-                    logprobs = [TokenLogprob(token_id, logprob, top)]
-                done = last
-                yield RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=[token_id],
-                    new_logprobs=logprobs,
-                    num_prompt_tokens=len(prompt_token_ids),
-                    num_cached_tokens=0,
-                    num_output_tokens=step + 1,
-                    finished=last,
-                    finish_reason=("stop" if stops else "length") if last else None,
-                    stop_token_id=eos_token_ids[0] if last and stops else None,
-                    metrics=metrics,
-                )
-            self.finished.append(request_id)
-        finally:
-            if not done:
-                self.aborted.append(request_id)
+        self.num_added += len(requests)
+        for request in requests:
+            self.lora_names[request.request_id] = request.lora_name
+        return [FakeStream(self, request) for request in requests]
 
     async def load_lora(self, name, path, base_model_name=None):
         import os
@@ -156,3 +113,61 @@ class FakeEngine:
         from serval.engine.client import EngineStats
 
         return EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0)
+
+
+class FakeStream:
+    """A RequestStream double: the scripted outputs of one request; close() before the end records an abort."""
+
+    def __init__(self, engine: FakeEngine, request) -> None:
+        self.engine = engine
+        self.request = request
+        self.is_finished = False
+        self.is_closed = False
+
+    async def __aiter__(self):
+        import asyncio
+        import math
+
+        from serval.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+
+        request, engine = self.request, self.engine
+        params, eos_token_ids = request.params, request.eos_token_ids
+        text = engine.texts[(params.seed or 0) % len(engine.texts)]
+        ids = list(text.encode())[: params.max_tokens] if params.max_tokens else list(text.encode())
+        stops = not params.max_tokens or len(text.encode()) < params.max_tokens
+        if stops:
+            ids.append(eos_token_ids[0])
+        metrics = RequestMetrics(arrival_time=0.0)
+        try:
+            for step, token_id in enumerate(ids):
+                await asyncio.sleep(engine.delay)
+                last = step == len(ids) - 1
+                metrics.batch_sizes.append(1)
+                metrics.queue_wait_us.append(10)
+                logprob = -0.1 * ((params.seed or 0) + 1)
+                logprobs = None
+                if params.logprobs is not None:
+                    top = [(token_id, logprob), (0, math.log(0.01))][: params.logprobs]
+                    logprobs = [TokenLogprob(token_id, logprob, top)]
+                self.is_finished = last
+                yield RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=logprobs,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_tokens=0,
+                    num_output_tokens=step + 1,
+                    finished=last,
+                    finish_reason=("stop" if stops else "length") if last else None,
+                    stop_token_id=eos_token_ids[0] if last and stops else None,
+                    metrics=metrics,
+                )
+            engine.finished.append(request.request_id)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.is_closed:
+            self.is_closed = True
+            if not self.is_finished:
+                self.engine.aborted.append(self.request.request_id)
