@@ -60,7 +60,9 @@ class Frontend:
         source = chat_template or tokenizer.chat_template
         self.template_source = source
         self.chat_template = (
-            ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source is not None else None
+            ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, tokenizer.special_token_texts)
+            if source is not None
+            else None
         )
         self.max_input_tokens = max_input_tokens
         self.max_iter_times = max_iter_times

@@ -13,6 +13,7 @@ class ByteTokenizer:
     eos_token = "<|im_end|>"
     eos_token_ids = (257,)
     special_token_ids = frozenset({256, 257})
+    special_token_texts = frozenset(SPECIAL_TOKENS)
     add_bos_token = False
     chat_template = (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
