@@ -88,6 +88,21 @@ def _file_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
     return raw, dequantize(raw, qtype, (rows, cols))
 
 
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q6_K], ids=lambda t: t.name
+)
+def test_large_matrices_are_packed_in_slices_to_the_same_form(qtype, monkeypatch):
+    from serval.runner.loader import gguf as gguf_loader
+
+    raw, _ = _file_matrix(qtype, 40, 512, seed=2)
+    whole = pack_block_codes(block_codes(raw, qtype, (40, 512)))
+    monkeypatch.setattr(gguf_loader, "_PACK_CHUNK_WEIGHTS", 16 * 512)  # slices of 16, 16 and 8 rows
+    sliced = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads=None)
+    for field in ("codes", "scales", "offsets", "super_scales"):
+        assert torch.equal(getattr(sliced, field), getattr(whole, field)), field
+    assert sliced.out_features == 40
+
+
 def _offsets(block: BlockCodes) -> torch.Tensor:
     """m of every (row, block of 32) as fp32, zero for formats without one."""
     rows, num_blocks = block.codes.shape[:2]
