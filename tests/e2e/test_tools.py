@@ -130,6 +130,17 @@ def test_named_choice_is_exactly_one_call_of_that_function(openai_client, server
     # parallel_tool_calls is left at its default (true): a named choice is one call all the same.
     request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, **GREEDY,
                "tool_choice": {"type": "function", "function": {"name": name}}}  # fmt: skip
+    _assert_exactly_one_call(openai_client, request, name)
+
+
+def test_required_without_parallel_calls_is_one_call(openai_client, server):
+    request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
+               "parallel_tool_calls": False, **GREEDY}  # fmt: skip
+    _assert_exactly_one_call(openai_client, request, None)
+
+
+def _assert_exactly_one_call(openai_client, request: dict, name: str | None) -> None:
+    """The request is answered with exactly one call (of `name` when given) and no content, streamed or not."""
     response = openai_client.chat.completions.create(**request)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -138,18 +149,6 @@ def test_named_choice_is_exactly_one_call_of_that_function(openai_client, server
     content, calls, finishes = _streamed(openai_client.chat.completions.create(**request, stream=True))
     assert (content, finishes) == ("", ["tool_calls"])
     assert calls == [(call.function.name, call.function.arguments)]  # greedy: the same call, once
-
-
-def test_required_without_parallel_calls_is_one_call(openai_client, server):
-    request = {"model": server.model, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
-               "parallel_tool_calls": False, **GREEDY}  # fmt: skip
-    response = openai_client.chat.completions.create(**request)
-    choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    _check_call(call.function.name, call.function.arguments, None)
-    content, calls, finishes = _streamed(openai_client.chat.completions.create(**request, stream=True))
-    assert (content, calls, finishes) == ("", [(call.function.name, call.function.arguments)], ["tool_calls"])
 
 
 def test_required_parallel_calls_end_instead_of_looping(openai_client, server):
