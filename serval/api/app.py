@@ -22,7 +22,7 @@ from serval.api import requests as req
 from serval.api.auth import APIKeyAuth
 from serval.api.body import parse, read_body
 from serval.api.chat_options import chat_options
-from serval.api.errors import APIError, from_serving, install_error_handlers
+from serval.api.errors import APIError, from_serving, install_error_handlers, shown
 from serval.api.lora_routes import ADMIN_PATHS, add_lora_routes, lora_model_card
 from serval.api.metrics import CONTENT_TYPE, Metrics, StatusCounter
 from serval.api.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -101,7 +101,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     def check_model(name: str | None) -> str:
         """The model a request names (the base model's or a loaded LoRA adapter's), or 404."""
         if name is not None and name not in config.served_model_names and name not in frontend.loras:
-            raise APIError(404, f"the model {name!r} does not exist here", "model", "model_not_found")
+            raise APIError(404, f"the model {shown(name)} does not exist here", "model", "model_not_found")
         return name or config.model_name
 
     def lora_of(model: str) -> str | None:
@@ -244,7 +244,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             return model_card(name)
         card = frontend.loras.get(name)
         if card is None:
-            raise APIError(404, f"the model {name!r} does not exist here", "model", "model_not_found")
+            raise APIError(404, f"the model {shown(name)} does not exist here", "model", "model_not_found")
         return lora_model_card(card, config, started, frontend.max_model_len)
 
     def model_card(name: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from serval.api.errors import APIError, invalid, unsupported
+from serval.api.errors import APIError, invalid, shown, unsupported
 from serval.api.openai import ChatCompletionRequest
 from serval.serving.chat import ChatOptions, ResponseFormat
 from serval.serving.errors import InvalidRequestError
@@ -97,7 +97,7 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
         )
     if not any(t.name == name for t in tools):
         raise invalid(
-            f"tool_choice names {name!r}, which is not among the tools", "tool_choice.function.name"
+            f"tool_choice names {shown(name)}, which is not among the tools", "tool_choice.function.name"
         )
     return ToolChoice("function", name)
 

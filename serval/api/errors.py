@@ -62,6 +62,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def shown(text: str, limit: int = 64) -> str:
+    """A client's string as an error message quotes it: cut short, as the client may have sent megabytes."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
 

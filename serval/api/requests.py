@@ -36,6 +36,9 @@ MEDIA_PART_TYPES = frozenset(
 # A logit_bias key: a token id in decimal, one spelling per id (no sign, no leading zeros), at most ten digits
 # so that no key is ever turned into a huge int.
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+# Tool-call arguments (a JSON string) may nest this deep: far beyond any real call, far below the recursion
+# limit that rendering them (tojson) runs into.
+MAX_ARGUMENTS_DEPTH = 128
 
 
 # ---- messages
@@ -98,12 +101,41 @@ def cache_point(messages: list[ChatMessage]) -> tuple[int, int] | None:
     return point
 
 
-def _tool_call_dict(call: Any) -> dict[str, Any]:
+def _arguments_problem(value: Any) -> str | None:
+    """What makes parsed tool-call arguments unrenderable, or None. Python's json.loads, unlike the body's
+    parser, admits any depth up to the recursion limit and lone surrogates (which no tokenizer can encode)."""
+    pending = [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, str) and not item.isascii():
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return "holds a lone surrogate"
+        elif isinstance(item, (list, dict)):
+            if level > MAX_ARGUMENTS_DEPTH:
+                return f"nests lists and objects deeper than {MAX_ARGUMENTS_DEPTH} levels"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            pending.extend((child, level + 1) for child in children)
+    return None
+
+
+def _tool_call_dict(call: Any, where: str) -> dict[str, Any]:
     # Templates (Qwen2.5, Llama 3.1, ...) expect the arguments as an object; a non-JSON string stays a string.
+    # What would fail later (a RecursionError here or in the template's tojson, a surrogate in the tokenizer)
+    # and be a 500 is refused by name.
+    param = f"{where}.function.arguments"
     try:
         arguments: Any = json.loads(call.function.arguments)
+    except RecursionError:
+        raise invalid(
+            f"{param} nests lists and objects deeper than {MAX_ARGUMENTS_DEPTH} levels", param
+        ) from None
     except ValueError:
         arguments = call.function.arguments
+    problem = _arguments_problem(arguments)
+    if problem is not None:
+        raise invalid(f"{param} {problem}", param)
     function = {"name": call.function.name, "arguments": arguments}
     return {"id": call.id, "type": call.type, "function": function}
 
@@ -151,7 +183,10 @@ def template_messages(
             if value is not None:
                 item[key] = value
         if has_tool_calls:
-            item["tool_calls"] = [_tool_call_dict(call) for call in message.tool_calls or ()]
+            calls = message.tool_calls or ()
+            item["tool_calls"] = [
+                _tool_call_dict(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)
+            ]
         result.append(item)
     last = messages[-1]
     wants_continue = bool(continue_final_message or last.prefix or last.partial)

@@ -8,8 +8,11 @@ import json
 import pytest
 
 from serval.api.openai import MAX_MESSAGES_CHARS
-from tests.api.conftest import MODEL
+from serval.server_config import ServerConfig
+from tests.api import hostile_cases
+from tests.api.conftest import MODEL, AppClient
 from tests.api.invalid_cases import cases, check_error, encode
+from tests.serving.fakes import FakeEngine
 
 CASES = cases(MODEL)
 
@@ -129,3 +132,21 @@ def test_messages_over_4_mib_of_text_are_refused(make_client):
     error = check_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400,
                         "messages")  # fmt: skip
     assert "context length" in error["message"]
+
+
+HOSTILE = hostile_cases.cases(MODEL)
+
+
+@pytest.fixture
+def roomy_client():
+    """A client whose scripted engine holds 4096 tokens, room for a prompt that offers tools."""
+    client = AppClient(ServerConfig(served_model_names=(MODEL,)), FakeEngine(["Hello."], max_model_len=4096))
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("path, body, status, param", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_request(roomy_client, path, body, status, param):
+    client = roomy_client
+    response = client.post(path, content=encode(body), headers={"content-type": "application/json"})
+    hostile_cases.check_answer(response, status, param)
