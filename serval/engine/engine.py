@@ -15,7 +15,7 @@ from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
 from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
-from serval.engine.request import Request, RequestStatus
+from serval.engine.request import Request, RequestStatus, sampling_row
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
@@ -222,7 +222,7 @@ class Engine:
             token_ids.extend(request.token_ids[num_computed : num_computed + num_new])
             if num_computed + num_new == request.num_tokens:
                 sample_indices.append(i)
-                rows.append(_sampling_row(request))
+                rows.append(sampling_row(request))
         lora_slots = []
         if any(r.lora is not None for r in scheduled.requests):
             lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
@@ -379,33 +379,3 @@ class Engine:
             stop_token_id=request.stop_token_id,
             metrics=request.metrics,
         )
-
-
-def _sampling_row(request: Request) -> SamplingRow:
-    p = request.params
-    if request.beam_group is not None:
-        # A beam needs its most likely continuations under the raw distribution, nothing sampled.
-        num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
-        return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
-    banned: list[int] = []
-    if request.num_output_tokens < p.min_tokens:
-        banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))
-    needs_history = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-    return SamplingRow(
-        temperature=p.temperature if not p.is_greedy else 0.0,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        num_logprobs=p.logprobs,
-        generator=request.generator,
-        output_token_ids=request.output_token_ids if needs_history else [],
-        prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-        banned_token_ids=banned,
-        logit_bias=list(p.logit_bias),
-        allowed_token_bitmask=(
-            request.constraint.allowed_token_bitmask() if request.constraint is not None else None
-        ),
-    )

@@ -1,4 +1,5 @@
-"""Request: one sequence's state inside the engine, a few counters plus its KV block ids.
+"""Request: one sequence's state inside the engine, a few counters plus its KV block ids, and what the
+batched sampler needs of it each step (`sampling_row`).
 
 `num_computed_tokens` catches up with `num_tokens` (prompt + outputs); there are no prefill or decode phases.
 Preemption resets it to zero and the request recomputes its whole context later.
@@ -14,6 +15,7 @@ import torch
 from serval.engine.constraint import TokenConstraint
 from serval.engine.lora import LoraCard
 from serval.engine.outputs import RequestMetrics
+from serval.runner.batch import SamplingRow
 from serval.sampling import SamplingParams
 
 
@@ -114,3 +116,34 @@ class Request:
         ):
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+
+def sampling_row(request: Request) -> SamplingRow:
+    """What the batched sampler needs of a request for this step (runner/sampler.py)."""
+    p = request.params
+    if request.beam_group is not None:
+        # A beam needs its most likely continuations under the raw distribution, nothing sampled.
+        num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
+        return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
+    banned: list[int] = []
+    if request.num_output_tokens < p.min_tokens:
+        banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))
+    needs_history = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+    return SamplingRow(
+        temperature=p.temperature if not p.is_greedy else 0.0,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        num_logprobs=p.logprobs,
+        generator=request.generator,
+        output_token_ids=request.output_token_ids if needs_history else [],
+        prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+        banned_token_ids=banned,
+        logit_bias=list(p.logit_bias),
+        allowed_token_bitmask=(
+            request.constraint.allowed_token_bitmask() if request.constraint is not None else None
+        ),
+    )
