@@ -294,11 +294,12 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def packable_tensor_names(reader: GGUFReader) -> frozenset[str]:
     """The Hugging Face names of the file's matrices stored in a block type the quantized kernels run."""
-    return frozenset(
-        hf_tensor_name(t.name)
-        for t in reader.tensors
-        if len(t.shape) == 2 and t.tensor_type in BLOCK_CODE_TYPES
-    )
+    return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_block_matrix(t))
+
+
+def _is_block_matrix(tensor) -> bool:
+    """A matrix stored in a block type the quantized kernels run packed."""
+    return len(tensor.shape) == 2 and tensor.tensor_type in BLOCK_CODE_TYPES
 
 
 def iter_gguf_weights(
@@ -337,7 +338,7 @@ def iter_gguf_weights(
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
         permuted = is_permuted and part in heads_of
-        packable = packed_forms is not None and tensor.tensor_type in BLOCK_CODE_TYPES and len(shape) == 2
+        packable = packed_forms is not None and _is_block_matrix(tensor)
         if packable and name in packed_only:
             weight = torch.empty(shape, device="meta")
         else:
