@@ -8,16 +8,16 @@ Everything downstream of this module sees the same names and values a safetensor
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
+import struct
 from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from serval.runner.loader.dequant import (
@@ -28,6 +28,7 @@ from serval.runner.loader.dequant import (
     dequantize,
     is_supported,
 )
+from serval.runner.loader.gguf_file import GGUFFile
 from serval.runner.quantization import GROUP, PackedWeight, pack_block_codes
 
 # general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
@@ -72,25 +73,22 @@ class UnsupportedArchitectureError(ValueError):
     """The file's general.architecture is not one serval can run."""
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """A memory-mapped reader, with clear errors for a missing or unreadable file."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor directory (tensor data mapped, not read), with clear errors for a
+    missing or unreadable file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if not os.path.isfile(path):
         raise ValueError(f"not a GGUF file (not a regular file): {path}")
     try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as error:
-        # GGUFReader fails on bad bytes in whatever way numpy does; one error type is easier to handle
+        return GGUFFile(path)
+    except (ValueError, struct.error, OverflowError, MemoryError) as error:
         raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {error}") from error
 
 
-def metadata_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def metadata_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The decoded value of one metadata key (str, int, float, bool or a list of them), or `default`."""
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.metadata.get(key, default)
 
 
 def _float(value: float) -> float:
@@ -98,7 +96,7 @@ def _float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _architecture(reader: GGUFReader) -> str:
+def _architecture(reader: GGUFFile) -> str:
     arch = metadata_value(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         supported = ", ".join(sorted(_ARCHITECTURES))
@@ -108,7 +106,7 @@ def _architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     """Hugging Face `rope_scaling` from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
     kind = metadata_value(reader, f"{arch}.rope.scaling.type")
     factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
@@ -137,7 +135,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
-def config_from_reader(reader: GGUFReader) -> dict[str, Any]:
+def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
     """The config dict of an already open file (see read_gguf_config)."""
     arch = _architecture(reader)
 
@@ -153,10 +151,10 @@ def config_from_reader(reader: GGUFReader) -> dict[str, Any]:
     num_kv_heads = metadata_value(reader, f"{arch}.attention.head_count_kv", num_heads)
     vocab_size = metadata_value(reader, f"{arch}.vocab_size")
     if vocab_size is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is None:
+        tokens = metadata_value(reader, "tokenizer.ggml.tokens")
+        if not tokens:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-        vocab_size = len(tokens.data)  # one data part per token; no need to decode the strings
+        vocab_size = len(tokens)
     class_name, model_type = _ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [class_name],
@@ -193,7 +191,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return config_from_reader(open_gguf(path))
 
 
-def weight_formats(reader: GGUFReader) -> tuple[str, ...]:
+def weight_formats(reader: GGUFFile) -> tuple[str, ...]:
     """The ggml types of the file's matrices ("Q4_1", "Q8_0", ...), most weights first; 1-D tensors (norms,
     biases) are not counted."""
     weights_by_type: dict[str, int] = {}
@@ -264,19 +262,6 @@ def _packed_from_blocks(
     return result
 
 
-def _release_pages(reader: GGUFReader, offset: int, length: int) -> None:
-    """Drop a read tensor's pages of the file mapping from this process (they stay in the page cache).
-
-    The reader maps the whole file; every page read stays resident, counted in this process's memory, until
-    the mapping goes, so a load would peak at the file's size on top of the packed model."""
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    begin = offset // mmap.PAGESIZE * mmap.PAGESIZE
-    end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapping))
-    mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
-
-
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order, restoring Hugging Face's.
 
@@ -292,7 +277,7 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def packable_tensor_names(reader: GGUFReader) -> frozenset[str]:
+def packable_tensor_names(reader: GGUFFile) -> frozenset[str]:
     """The Hugging Face names of the file's matrices stored in a block type the quantized kernels run."""
     return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_block_matrix(t))
 
@@ -304,7 +289,7 @@ def _is_block_matrix(tensor) -> bool:
 
 def iter_gguf_weights(
     path: str,
-    reader: GGUFReader | None = None,
+    reader: GGUFFile | None = None,
     packed_forms: dict[str, PackedWeight] | None = None,
     packed_only: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -348,5 +333,5 @@ def iter_gguf_weights(
         if packable:
             heads = heads_of[part] if permuted else None
             packed_forms[name] = _packed_from_blocks(tensor.data, tensor.tensor_type, shape, heads)
-        _release_pages(reader, tensor.data_offset, tensor.n_bytes)  # both results own their memory
+        reader.release_pages(tensor.data_offset, tensor.n_bytes)  # both results own their memory
         yield name, weight
