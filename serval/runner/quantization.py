@@ -6,7 +6,9 @@ codes and scales straight from a file's bytes (`BlockCodes`, loader/dequant.py) 
 them in the kernel's layout (kernels/quantized.h). Other checkpoints go through `find_packed`, which
 recognizes a Q4_0/Q4_1/Q8_0-shaped matrix from its fp32 values, recovering its codes exactly (it checks the
 round trip). loader/packer.py does this for each tensor of a checkpoint as it streams in. Nothing is
-approximated: a matrix without an exact form gets None and stays on the bf16/fp32 path.
+approximated: a matrix without an exact form gets None and stays on the bf16/fp32 path. GGUF F16/BF16
+matrices have a 16-bit form (`sixteen_bit_form`): their own values, which the same kernel entry point widens
+in registers, so the fp32 compute path never holds a 4-byte copy of them.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ class BlockCodes:
 @dataclass
 class PackedWeight:
     """A (out_features, in_features) matrix in one of the kernel's layouts (kernels/quantized.h): w = d q + m
-    per row and scale block, d and m as the file stores them."""
+    per row and scale block, d and m as the file stores them; or (bits 16) a GGUF F16/BF16 matrix's own
+    values, which the kernel widens in registers (kernels/half_linear.cpp)."""
 
-    bits: int  # 4 or 8: the codes' width
+    bits: int  # 4 or 8: the codes' width; 16: fp16/bf16 values, no scales
     out_features: int
-    codes: torch.Tensor  # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8
+    # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8; 16-bit: (N, K) fp16 or bf16
+    codes: torch.Tensor
     # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales
     scales: torch.Tensor
     # (N/16, K/32, 16): fp16 m, or with super_scales the uint8 sub-block mins; empty: no offset (w = d q),
@@ -81,6 +85,7 @@ class PackedWeight:
         """What must agree for two packed matrices to be stacked row-wise into one."""
         return (
             self.bits,
+            self.codes.dtype,
             self.scales.dtype,
             self.scales.shape[1:],
             self.offsets.shape[1:],
@@ -89,6 +94,8 @@ class PackedWeight:
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, K) fp32
         """Rows of the matrix, dequantized exactly (an embedding lookup from the packed form)."""
+        if self.bits == 16:
+            return self.codes[indices].float()
         group, row = indices // GROUP, indices % GROUP
         taken = torch.arange(len(indices))
         codes = self.codes[group]  # (T, K/32, chunks, 64): byte (half h, row r, element e) of each chunk
@@ -163,7 +170,7 @@ def _stacked(parts: list[PackedWeight]) -> PackedWeight:
         bits=parts[0].bits,
         out_features=sum(p.out_features for p in parts),
         codes=torch.cat([p.codes for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
+        scales=cat([p.scales for p in parts]),
         offsets=cat([p.offsets for p in parts]),
         super_scales=cat([p.super_scales for p in parts]),
     )
@@ -195,6 +202,15 @@ def pack_block_codes(block: BlockCodes) -> PackedWeight:
         offsets=per_group(block.offsets),
         super_scales=super_scales,
     )
+
+
+def sixteen_bit_form(values: torch.Tensor) -> PackedWeight:
+    """A (N, K) fp16 or bf16 matrix kept as it is, for the kernel that widens it in registers."""
+    if values.dtype not in (torch.float16, torch.bfloat16) or values.dim() != 2:
+        raise ValueError(
+            f"a 16-bit form takes a (N, K) fp16 or bf16 matrix, not {values.dtype} {values.shape}"
+        )
+    return PackedWeight(16, values.shape[0], values.contiguous(), _NONE)
 
 
 def dense_placeholder(weight: torch.Tensor, device: torch.device | str | None = None) -> nn.Parameter:

@@ -12,7 +12,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.batch import Batch
 from serval.runner.loader.dequant import BLOCK_CODE_TYPES, block_codes, dequantize
-from serval.runner.quantization import BLOCK, BlockCodes, find_packed, pack_block_codes
+from serval.runner.quantization import BLOCK, BlockCodes, find_packed, pack_block_codes, sixteen_bit_form
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 from tests.fixtures.quants import random_blocks
 
@@ -171,6 +171,23 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
         assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
     got_bf16 = packed.matmul(kernels.quantized_linear, x.bfloat16())
     assert got_bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["F16", "BF16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64])
+def test_sixteen_bit_matmul_is_the_fp32_matmul_of_the_stored_values(kernels, dtype, rows):
+    # 200 output rows: more than one decode chunk; K 352: not a multiple of 64, so vector tails are taken.
+    torch.manual_seed(rows)
+    weight = (torch.randn(200, 352) * 0.05).to(dtype)
+    packed = sixteen_bit_form(weight)
+    x = torch.randn(rows, 352) * 4
+    x[0, 3] = 900.0
+    got = packed.matmul(kernels.quantized_linear, x)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    exact = x.double() @ weight.double().t()
+    assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
+    assert torch.equal(packed.rows(torch.tensor([0, 199, 7])), weight[[0, 199, 7]].float())
+    assert packed.matmul(kernels.quantized_linear, x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_quantized_matmul_refuses_inconsistent_packed_tensors(kernels):

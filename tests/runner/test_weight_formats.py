@@ -1,4 +1,5 @@
-"""Every GGUF block format serval runs packed, on a tiny model of real block shapes, against transformers.
+"""Every GGUF block format serval runs packed (and F16/BF16, run as stored), on a tiny model of real block
+shapes, against transformers.
 
 The model is 256 wide (k-quant rows are whole 256-weight super-blocks) and is written in each format, and in
 a mix like llama.cpp's Q4_K_M. transformers runs the weights its own GGUF loader dequantizes (with the gguf
@@ -46,9 +47,9 @@ def _q4_k_m(name: str) -> GGMLQuantizationType:
     return Q.Q4_K
 
 
-FORMATS = {t.name: t for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)} | {
-    "Q4_K_M": _q4_k_m
-}
+FORMATS = {
+    t.name: t for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16)
+} | {"Q4_K_M": _q4_k_m}
 PROMPTS = [list(range(3, 40)), [7, 99, 250, 13, 13, 13, 5], list(range(300, 340, 2))]
 
 

@@ -34,6 +34,7 @@ SOURCES = tuple(
         "decode_stack.cpp",
         "quantized_linear.cpp",
         "quantized_tiles.cpp",
+        "half_linear.cpp",
     )
 )
 _HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h"))

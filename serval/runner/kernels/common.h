@@ -82,4 +82,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                torch::Tensor super_scales, int64_t N);
+// x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
+torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
 void register_decode_stack(pybind11::module& m);

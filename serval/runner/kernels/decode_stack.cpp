@@ -45,7 +45,7 @@ struct LinearWeights {
 };
 
 // t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
-// whole groups of 16 rows (PackedParts), so its row count is its codes'.
+// whole groups of 16 rows (PackedParts), so its row count is its codes' (groups, or rows of 16-bit weights).
 LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_quantized_rows,
                              int64_t max_small_batch_rows) {
   TORCH_CHECK(!t.empty() && (t.size() - 1) % 4 == 0, "a linear layer: its weight and 4 tensors per packed part");
@@ -53,7 +53,8 @@ LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_qu
   int64_t rows_left = w.weight.size(0);
   for (size_t i = 1; i < t.size(); i += 4) {
     const bool last = i + 4 == t.size();
-    const int64_t rows = last ? rows_left : t[i].size(0) * 16;
+    const bool sixteen_bit = t[i].scalar_type() == torch::kHalf || t[i].scalar_type() == torch::kBFloat16;
+    const int64_t rows = last ? rows_left : t[i].size(0) * (sixteen_bit ? 1 : 16);  // 16-bit: (N, K)
     w.packed.push_back({t[i], t[i + 1], optional(t[i + 2]), optional(t[i + 3]), rows});
     rows_left -= rows;
   }

@@ -285,10 +285,15 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
 
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
 // through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp (FMAs are).
-// offsets and super_scales may be empty (undefined in the DecodeStack): the layout has none.
+// offsets and super_scales may be empty (undefined in the DecodeStack): the layout has none. codes in fp16 or
+// bf16, (N, K) with no scales, are 16-bit weights: half_linear.cpp computes those.
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                torch::Tensor super_scales, int64_t N) {
   TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
+  if (codes.scalar_type() == torch::kHalf || codes.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(!present(scales) && !present(offsets) && !present(super_scales), "16-bit weights have no scales");
+    return half_linear(x, codes, N);  // the checkpoint's F16/BF16 values as they are
+  }
   const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0);
   TORCH_CHECK(K % kBlock == 0, "K: a multiple of 32");
   const Layout layout = packed_layout(codes, scales, offsets, super_scales, K);

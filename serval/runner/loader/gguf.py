@@ -29,7 +29,7 @@ from serval.runner.loader.dequant import (
     is_supported,
 )
 from serval.runner.loader.gguf_file import GGUFFile
-from serval.runner.quantization import GROUP, PackedWeight, pack_block_codes
+from serval.runner.quantization import GROUP, PackedWeight, pack_block_codes, sixteen_bit_form
 
 # general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
 _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
@@ -277,14 +277,29 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
+# Matrices of these types are kept as the file stores them (quantization.sixteen_bit_form).
+_SIXTEEN_BIT_TYPES = frozenset({GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
 def packable_tensor_names(reader: GGUFFile) -> frozenset[str]:
-    """The Hugging Face names of the file's matrices stored in a block type the quantized kernels run."""
-    return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_block_matrix(t))
+    """The Hugging Face names of the file's matrices the quantized kernels run from their stored form."""
+    return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_packable_matrix(t))
 
 
-def _is_block_matrix(tensor) -> bool:
-    """A matrix stored in a block type the quantized kernels run packed."""
-    return len(tensor.shape) == 2 and tensor.tensor_type in BLOCK_CODE_TYPES
+def _is_packable_matrix(tensor) -> bool:
+    """A matrix stored in a block type the quantized kernels run packed, or in fp16/bf16."""
+    return len(tensor.shape) == 2 and (
+        tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES
+    )
+
+
+def _sixteen_bit_from_file(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> torch.Tensor:
+    """A copy of an F16 (typed view) or BF16 ((rows, bytes) view) matrix's values, in torch's dtype."""
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(data, dtype=np.float16).reshape(shape))
+    return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
 
 
 def iter_gguf_weights(
@@ -297,7 +312,7 @@ def iter_gguf_weights(
 
     Pass the reader when the caller already opened the file: parsing the metadata takes seconds.
     packed_forms: also put there, before yielding it, the packed form (runner/quantization.py) of each
-    matrix of a block type (Q4_0 ... Q6_K), built from its bytes.
+    matrix of a block type (Q4_0 ... Q6_K), built from its bytes, and the 16-bit form of each F16/BF16 one.
     packed_only: names whose dense values nobody needs (the model runs them packed): yielded as meta
     tensors of their shape, never dequantized, after their packed form is put in packed_forms.
     """
@@ -323,14 +338,19 @@ def iter_gguf_weights(
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
         permuted = is_permuted and part in heads_of
-        packable = packed_forms is not None and _is_block_matrix(tensor)
+        packable = packed_forms is not None and _is_packable_matrix(tensor)
         if packable and name in packed_only:
             weight = torch.empty(shape, device="meta")
         else:
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
             if permuted:
                 weight = _unpermute_rows(weight, heads_of[part])
-        if packable:
+        if packable and tensor.tensor_type in _SIXTEEN_BIT_TYPES:
+            values = _sixteen_bit_from_file(tensor.data, tensor.tensor_type, shape)
+            packed_forms[name] = sixteen_bit_form(
+                _unpermute_rows(values, heads_of[part]) if permuted else values
+            )
+        elif packable:
             heads = heads_of[part] if permuted else None
             packed_forms[name] = _packed_from_blocks(tensor.data, tensor.tensor_type, shape, heads)
         reader.release_pages(tensor.data_offset, tensor.n_bytes)  # both results own their memory

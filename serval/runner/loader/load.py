@@ -10,7 +10,6 @@ import torch
 
 from serval.model_source import ModelSource
 from serval.runner.layers import Linear
-from serval.runner.loader.dequant import BLOCK_CODE_TYPES
 from serval.runner.loader.packer import LowBitPacker
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
@@ -22,10 +21,6 @@ from serval.runner.models.registry import model_class
 WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
-# GGUF tensor types whose weights the quantized kernels run from their packed form (runner/quantization.py).
-PACKABLE_GGUF_TYPES = frozenset(t.name for t in BLOCK_CODE_TYPES)
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     arch: ArchConfig
@@ -33,12 +28,13 @@ class Checkpoint:
     # The stored weight formats of its matrices, most weights first: GGUF types ("Q4_1", "Q8_0", "F16") or
     # safetensors dtypes ("BF16"); 1-D tensors (norms, biases) are not counted.
     weight_formats: tuple[str, ...]
-    # The Hugging Face names of the matrices the reader can pack from the file's blocks.
+    # The Hugging Face names of the matrices the reader packs from the file's own bytes (GGUF block types,
+    # kept as codes and scales; F16/BF16, kept as they are: runner/quantization.py).
     packable_names: frozenset[str] = frozenset()
 
     @property
     def has_packable_weights(self) -> bool:
-        return any(f in PACKABLE_GGUF_TYPES for f in self.weight_formats)
+        return bool(self.packable_names)
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:

@@ -78,7 +78,12 @@ class LowBitPacker:
             return
         parameter, shard = target
         shards = self.shards.setdefault(parameter, {})
-        shards[shard or 0] = known if known is not None else find_packed(tensor)
+        if known is not None and known.bits == 16 and not self.release_dense:
+            # Beside a dense copy in the compute dtype (the bf16 path) a 16-bit form is a second full copy
+            # for no speed: the bf16 kernels already read 2 bytes a weight.
+            shards[shard or 0] = None
+        else:
+            shards[shard or 0] = known if known is not None else find_packed(tensor)
         if len(shards) == self.model.num_shards(parameter):
             packed = self.complete[parameter] = concatenated([shards[i] for i in sorted(shards)])
             del self.shards[parameter]
