@@ -28,6 +28,19 @@ class PromptTooLongError(ValueError):
     """The prompt (plus the tokens asked for) can't fit the context or the KV cache."""
 
 
+def check_prompt(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """PromptTooLongError unless the prompt and the tokens asked for fit; a function of fixed numbers, so the
+    event loop checks it too (EngineClient.add_requests) without touching the engine."""
+    if num_prompt_tokens == 0:
+        raise PromptTooLongError("the prompt is empty: at least one token is needed")
+    needed = num_prompt_tokens + (params.max_tokens or 1)
+    if num_prompt_tokens >= max_model_len or needed > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and {params.max_tokens or 1} more were requested ({needed} in all)"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -139,15 +152,7 @@ class Engine:
         self.scheduler.add(root)
 
     def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty: at least one token is needed")
-        needed = num_prompt_tokens + (params.max_tokens or 1)
-        if num_prompt_tokens >= self.max_model_len or needed > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{num_prompt_tokens} tokens and {params.max_tokens or 1} more were requested "
-                f"({needed} in all)"
-            )
+        check_prompt(num_prompt_tokens, params, self.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.beam_groups.pop(request_id, None)

@@ -1,12 +1,14 @@
 """The engine's table of loaded LoRA adapters: name -> slot, and the errors of loading and unloading one.
 
 Owns which adapter holds which runner slot and each load's identity for the prefix cache. The weights live in
-the runner (runner/lora.py); a request carries its adapter's LoraCard. Only the engine thread changes this.
+the runner (runner/lora.py); a request carries its adapter's LoraCard. Only the engine thread changes this;
+the event loop reads a copy the engine thread publishes (EngineClient.loras).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -48,16 +50,7 @@ class LoraRegistry:
         return card
 
     def check_can_add(self, name: str) -> None:
-        if self.max_loras == 0:
-            raise LoraError("LoRA is not enabled: start the server with --enable-lora or --lora-modules")
-        if not name:
-            raise LoraError("the adapter's name must not be empty")
-        if name in self.cards:
-            raise LoraError(f"a LoRA adapter named {name!r} is already loaded")
-        if len(self.cards) >= self.max_loras:
-            raise LoraConflictError(
-                f"all {self.max_loras} LoRA slots are taken (--max-loras): unload an adapter first"
-            )
+        check_can_add(self.cards, self.max_loras, name)
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoraCard:
         self.check_can_add(name)
@@ -71,3 +64,18 @@ class LoraRegistry:
 
     def remove(self, name: str) -> LoraCard:
         return self.cards.pop(self.get(name).name)
+
+
+def check_can_add(cards: Mapping[str, LoraCard], max_loras: int, name: str) -> None:
+    """LoraError unless an adapter named `name` may join `cards`. A function of the table, so the event loop
+    checks its published copy (EngineClient.loras) before reading files; the engine thread checks again."""
+    if max_loras == 0:
+        raise LoraError("LoRA is not enabled: start the server with --enable-lora or --lora-modules")
+    if not name:
+        raise LoraError("the adapter's name must not be empty")
+    if name in cards:
+        raise LoraError(f"a LoRA adapter named {name!r} is already loaded")
+    if len(cards) >= max_loras:
+        raise LoraConflictError(
+            f"all {max_loras} LoRA slots are taken (--max-loras): unload an adapter first"
+        )

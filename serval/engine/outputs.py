@@ -42,10 +42,10 @@ class RequestOutput:
     # cache_creation_input_tokens; blocks it found already pinned are refreshed, not counted.
     num_newly_pinned_tokens: int = 0
     finished: bool = False
-    # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort" (cancelled or failed)
+    # "stop" (EOS or a stop token), "length" (max_tokens or the context), "abort" (cancelled). A request the
+    # engine refused or failed gets no output but a RequestFailed (engine/messages.py).
     finish_reason: str | None = None
     stop_token_id: int | None = None  # the EOS / stop_token_ids entry that finished it, if any
-    error: str | None = None  # set with finish_reason "abort" when the engine refused or failed the request
     metrics: RequestMetrics | None = None
     # A beam search's result (engine/beam_search.py BeamSequence), best first; None for other requests.
     beams: list | None = None

@@ -120,8 +120,8 @@ class ChoiceStream:
         abort its engine request; later outputs are ignored."""
         if self.is_finished:
             return None
-        if output.error is not None or output.finish_reason == "abort":
-            raise EngineError(output.error or "the engine aborted the request")
+        if output.finish_reason == "abort":  # refusals and failures are raised by the engine's stream instead
+            raise EngineError("the engine aborted the request")
         token_ids = list(output.new_token_ids)
         self.num_output_tokens += len(token_ids)
         self.num_cached_tokens = output.num_cached_tokens
