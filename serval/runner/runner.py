@@ -131,16 +131,13 @@ class ModelRunner:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
             use_native_kernels(self.model, kernels)
-            if self.dtype == torch.bfloat16:
-                self.model.tied_head_kernel = kernels.bf16_linear_small_batch
-            if getattr(self.model, "packed_tied_head", None) is not None:
-                self.model.tied_head_quantized_kernel = kernels.quantized_linear
-                self.model.tied_head_max_quantized_rows = packed_rows_limit(kernels)
-            self.model.decode_stack = self.model.make_decode_stack(kernels, self.kv_caches, self.block_size)
+            self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
             self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
+        # Threads per step kind, fixed here: a lone decode (one sequence, one token) may run on fewer
+        # (--single-sequence-threads), every other step on all.
         self.num_threads = torch.get_num_threads()
         self.single_sequence_threads = model_config.single_sequence_threads or self.num_threads
         generator = torch.Generator(device=self.device)
@@ -249,16 +246,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:
         is_lone_decode = batch.num_seqs == 1 and batch.num_new_tokens[0] == 1
-        if not is_lone_decode or self.single_sequence_threads == self.num_threads:
-            return self._execute(batch)
-        # Set for this step only: the thread count is the process's, and others may build runners after.
-        torch.set_num_threads(self.single_sequence_threads)
-        try:
-            return self._execute(batch)
-        finally:
-            torch.set_num_threads(self.num_threads)
-
-    def _execute(self, batch: Batch) -> SamplerOutput:
+        num_threads = self.single_sequence_threads if is_lone_decode else self.num_threads
+        # Changed only when the step kind changes (a run of lone decodes sets it once), not set and reset
+        # around every lone decode. NOTE: compared with the process's count, not a copy kept here: the count
+        # is the process's, and another runner (tests build several) may have changed it since.
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)

@@ -99,16 +99,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False)
         self.max_positions = max_positions
         self.rotary = self._make_rotary(None)
-        self.tied_head_kernel = None  # set with the Linear kernels by the runner
-        # The tied head's exact packed form (runner/quantization.py) and its kernel, when it has one.
+        # The tied head's exact packed form (runner/quantization.py), set by the loader when it has one.
         self.packed_tied_head = None
         # The embedding's packed form when its dense copy was released (runner/quantization.py): look-ups
         # dequantize the rows they need.
         self.packed_embedding = None
+        # The native kernels' parts, None until use_kernels: the tied head's bf16 and packed matmuls, and
+        # kernels.DecodeStack over every layer (decode-only steps without adapters run all layers in one call).
+        self.tied_head_kernel = None
         self.tied_head_quantized_kernel = None
         self.tied_head_max_quantized_rows = 0
-        # kernels.DecodeStack over every layer, set by the runner with the native kernels (make_decode_stack):
-        # decode-only steps without adapters run all layers in one native call.
         self.decode_stack = None
 
     def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
@@ -150,6 +150,18 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_max_quantized_rows,
         )
         return (x @ weight.t() if logits is None else logits).float()
+
+    def use_kernels(
+        self, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, dtype: torch.dtype
+    ) -> None:
+        """Run on the native CPU kernels once the weights are loaded (the runner calls it after
+        layers.use_native_kernels): the tied head's matmuls and a DecodeStack over these caches."""
+        if dtype == torch.bfloat16:
+            self.tied_head_kernel = kernels.bf16_linear_small_batch
+        if self.packed_tied_head is not None:
+            self.tied_head_quantized_kernel = kernels.quantized_linear
+            self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
+        self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size)
 
     def make_decode_stack(self, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
         """The native DecodeStack over these layers' weights and caches (computes what forward computes)."""
