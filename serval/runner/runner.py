@@ -81,7 +81,7 @@ def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packa
 
     Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
-    take 7x it; an explicit `float32` asks for exact dense matmuls and gets them.
+    take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
     """
     if kernels is None:
         return False
@@ -120,6 +120,7 @@ class ModelRunner:
             # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_packed_dense=use_quantized and packed_rows_limit(kernels) >= UNBOUNDED_ROWS,
             packable_names=checkpoint.packable_names,
+            repack=None if kernels is None else kernels.pack_gguf_blocks,
         )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(

@@ -103,6 +103,20 @@ def test_large_matrices_are_packed_in_slices_to_the_same_form(qtype, monkeypatch
     assert sliced.out_features == 40
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("heads", [None, 4])  # plain, and q/k rows un-permuted for 4 heads
+def test_native_packing_of_file_bytes_equals_the_tensor_ops(kernels, qtype, heads):
+    from serval.runner.loader import gguf as gguf_loader
+
+    raw, _ = _file_matrix(qtype, 40, 512, seed=5)
+    reference = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads)
+    native = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads, kernels.pack_gguf_blocks)
+    assert (native.bits, native.out_features) == (reference.bits, reference.out_features)
+    for field in ("codes", "scales", "offsets", "super_scales"):
+        got, expected = getattr(native, field), getattr(reference, field)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), field
+
+
 def _offsets(block: BlockCodes) -> torch.Tensor:
     """m of every (row, block of 32) as fp32, zero for formats without one."""
     rows, num_blocks = block.codes.shape[:2]

@@ -35,6 +35,7 @@ SOURCES = tuple(
         "quantized_linear.cpp",
         "quantized_tiles.cpp",
         "half_linear.cpp",
+        "gguf_repack.cpp",
     )
 )
 _HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h"))

@@ -84,4 +84,6 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
                                torch::Tensor super_scales, int64_t N);
 // x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
+// A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].
+std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K);
 void register_decode_stack(pybind11::module& m);

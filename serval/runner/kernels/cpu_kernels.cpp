@@ -187,5 +187,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefilling sequences over the paged KV cache, written into out", release());
   m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", release());
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
   register_decode_stack(m);
 }

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -219,12 +220,27 @@ _PACK_CHUNK_WEIGHTS = 1 << 24
 
 
 def _packed_from_blocks(
-    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], heads: int | None
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, int],
+    heads: int | None,
+    repack: Callable | None = None,
 ) -> PackedWeight:
     """The packed form of a block-type matrix (data: the reader's (rows, bytes) view), its rows un-permuted
-    for `heads` q/k heads when given; large matrices in slices of whole 16-row groups, each written into the
-    result as it is packed."""
+    for `heads` q/k heads when given. repack: the native kernel that packs the bytes in one pass
+    (kernels.pack_gguf_blocks); without it, tensor ops do (loader/dequant.py, runner/quantization.py), large
+    matrices in slices of whole 16-row groups, each written into the result as it is packed."""
     rows, cols = shape
+    if repack is not None:
+        if heads is not None:  # whole rows of blocks move: the same order _unpermute_rows gives the values
+            data = data[_unpermute_rows(torch.arange(rows), heads).numpy()]
+        with warnings.catch_warnings():  # a read-only view of the file mapping: the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
+        codes, scales, offsets, super_scales = repack(raw, int(qtype), rows, cols)
+        return PackedWeight(
+            4 if codes.dtype == torch.uint8 else 8, rows, codes, scales, offsets, super_scales
+        )
     step = max(GROUP, _PACK_CHUNK_WEIGHTS // cols // GROUP * GROUP)
     if heads is not None or rows <= step:  # un-permuting moves rows across the whole matrix
         codes = block_codes(data, qtype, shape)
@@ -307,6 +323,7 @@ def iter_gguf_weights(
     reader: GGUFFile | None = None,
     packed_forms: dict[str, PackedWeight] | None = None,
     packed_only: frozenset[str] = frozenset(),
+    repack: Callable | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
 
@@ -315,6 +332,7 @@ def iter_gguf_weights(
     matrix of a block type (Q4_0 ... Q6_K), built from its bytes, and the 16-bit form of each F16/BF16 one.
     packed_only: names whose dense values nobody needs (the model runs them packed): yielded as meta
     tensors of their shape, never dequantized, after their packed form is put in packed_forms.
+    repack: the native packing kernel (kernels.pack_gguf_blocks), or None.
     """
     reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
@@ -352,6 +370,6 @@ def iter_gguf_weights(
             )
         elif packable:
             heads = heads_of[part] if permuted else None
-            packed_forms[name] = _packed_from_blocks(tensor.data, tensor.tensor_type, shape, heads)
+            packed_forms[name] = _packed_from_blocks(tensor.data, tensor.tensor_type, shape, heads, repack)
         reader.release_pages(tensor.data_offset, tensor.n_bytes)  # both results own their memory
         yield name, weight

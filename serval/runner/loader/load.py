@@ -16,8 +16,9 @@ from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
 
 # Streams the weights with Hugging Face names; given a dict, a reader that can also fills it with the packed
-# forms (runner/quantization.py) it builds from the file's own blocks, each before its tensor, and yields
-# the names in `packed_only` as meta tensors (shape only) instead of dequantizing them.
+# forms (runner/quantization.py) it builds from the file's own blocks (with the native `repack` kernel when
+# given), each before its tensor, and yields the names in `packed_only` as meta tensors (shape only) instead
+# of dequantizing them.
 WeightsReader = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
@@ -55,8 +56,8 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         arch = ArchConfig.from_hf_config(config_from_reader(reader))
         return Checkpoint(
             arch,
-            lambda packed_forms=None, packed_only=frozenset(): iter_gguf_weights(
-                source.path, reader, packed_forms, packed_only
+            lambda packed_forms=None, packed_only=frozenset(), repack=None: iter_gguf_weights(
+                source.path, reader, packed_forms, packed_only, repack
             ),
             weight_formats(reader),
             packable_tensor_names(reader),
@@ -64,7 +65,7 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
     return Checkpoint(
         arch,
-        lambda packed_forms=None, packed_only=frozenset(): iter_safetensors_weights(source.path),
+        lambda packed_forms=None, packed_only=frozenset(), repack=None: iter_safetensors_weights(source.path),
         safetensors_formats(source.path),
     )
 
@@ -78,13 +79,16 @@ def load_model(
     pack_low_bit: bool = False,
     release_packed_dense: bool = False,
     packable_names: frozenset[str] = frozenset(),
+    repack=None,
 ) -> torch.nn.Module:
     """pack_low_bit: also keep the exact packed form of weights that have one (GGUF block types Q4_0 ... Q6_K,
     read from the file's blocks; Q4_0/Q4_1/Q8_0-shaped fp32 values of other checkpoints) for the quantized
     CPU kernels.
     release_packed_dense: the packed kernels serve every batch size, so a packed matrix's dense copy is
     freed as soon as the matrix is complete, and the matrices the reader packs from the file's blocks
-    (packable_names) are never made dense at all."""
+    (packable_names) are never made dense at all.
+    repack: the native kernel that packs a GGUF matrix's bytes in one pass (kernels.pack_gguf_blocks); None:
+    tensor ops do it, ~10x slower."""
     cls = model_class(arch.architecture)
     # Built on the meta device (no memory spent on random init) and materialized in the compute dtype, the
     # matrices each when their first tensor arrives (load_weights): the checkpoint streams in one tensor at
@@ -99,7 +103,7 @@ def load_model(
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
 
     def fp32_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights(from_file, packed_only):
+        for name, tensor in weights(from_file, packed_only, repack):
             tensor = tensor.to(torch.float32)
             if packer is not None:
                 packer.release_completed()  # the tensors yielded before this one are copied by now

@@ -1,0 +1,230 @@
+// A GGUF block-quantized matrix's bytes straight into the packed layout of quantized.h, in one parallel pass:
+// what serval/runner/quantization.py's pack_block_codes(loader/dequant.py's block_codes(...)) builds with
+// tensor ops (which stay the reference, and serve where these kernels are not built), at memory speed instead
+// of ~10 full-size temporaries per matrix. No value is converted: codes, fp16 scales and the k-quants' 6-bit
+// scales are copied bit for bit, so the packed weights are the file's.
+//
+// ggml's block layouts (ggml-common.h), per row of K weights:
+//   Q4_0 (18 bytes / 32): d | 16 bytes, weight j in the low nibble of byte j, weight j + 16 in its high one
+//   Q4_1 (20 / 32):       d | m | the same nibbles
+//   Q8_0 (34 / 32):       d | 32 int8
+//   Q5_0 (22 / 32):       d | qh (32 bits: the fifth bit of weight j is bit j) | nibbles as Q4_0; q - 16
+//   Q5_1 (24 / 32):       d | m | qh | nibbles
+//   Q4_K (144 / 256):     D | Dmin | 12 bytes of 6-bit scales and mins | 128 bytes: sub-block 2c in the low
+//                         nibbles of bytes 32c..32c+31, sub-block 2c + 1 in their high nibbles
+//   Q5_K (176 / 256):     D | Dmin | scales | qh (32 bytes: the fifth bit of weight l of sub-block j is bit
+//                         j of byte l) | 128 bytes as Q4_K
+//   Q6_K (210 / 256):     ql (128) | qh (64) | 16 int8 scales (one per 16 weights) | D; q - 32
+#include "quantized.h"
+
+using namespace serval_kernels;
+using namespace serval_kernels::quantized;
+
+namespace {
+
+// GGML's type ids (ggml.h), the ones this file reads.
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct Format {
+  int64_t block_weights, block_bytes;
+  int bits;               // of the packed codes: 4 or 8
+  int64_t scale_weights;  // weights per scale d: 32, or 16 (Q6_K)
+  bool offsets, super;
+};
+
+constexpr Format format_of(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18, 4, 32, false, false};
+    case kQ4_1: return {32, 20, 4, 32, true, false};
+    case kQ8_0: return {32, 34, 8, 32, false, false};
+    case kQ5_0: return {32, 22, 8, 32, false, false};
+    case kQ5_1: return {32, 24, 8, 32, true, false};
+    case kQ4_K: return {256, 144, 4, 32, true, true};
+    case kQ5_K: return {256, 176, 8, 32, true, true};
+    default: return {256, 210, 8, 16, false, true};  // kQ6_K
+  }
+}
+
+inline uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t read_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// The codes of one GGUF block (block_weights of them) as the packed layout stores them (4-bit: 0..15; 8-bit:
+// the int8 value's byte), and its scales: d[] (fp16 bits, or the k-quants' sub-block scales), m[] (fp16 bits,
+// or 6-bit mins), super_d / super_m (fp16 bits of D and -Dmin).
+struct DecodedBlock {
+  uint8_t q[256];
+  uint16_t d[16], m[8];
+  uint16_t super_d = 0, super_m = 0;
+};
+
+template <int64_t type>
+inline void decode_block(const uint8_t* b, DecodedBlock& out) {
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1: {
+      const uint8_t* qs = b + (type == kQ4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) out.q[j] = qs[j] & 0x0F, out.q[j + 16] = qs[j] >> 4;
+      out.d[0] = read_u16(b);
+      if (type == kQ4_1) out.m[0] = read_u16(b + 2);
+      return;
+    }
+    case kQ8_0:
+      std::memcpy(out.q, b + 2, 32);
+      out.d[0] = read_u16(b);
+      return;
+    case kQ5_0:
+    case kQ5_1: {
+      const int at = type == kQ5_0 ? 2 : 4;
+      const uint32_t qh = read_u32(b + at);
+      const uint8_t* qs = b + at + 4;
+      const int bias = type == kQ5_0 ? 16 : 0;
+      for (int j = 0; j < 16; ++j) {
+        out.q[j] = static_cast<uint8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - bias);
+        out.q[j + 16] = static_cast<uint8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+      }
+      out.d[0] = read_u16(b);
+      if (type == kQ5_1) out.m[0] = read_u16(b + 2);
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      out.super_d = read_u16(b);
+      out.super_m = read_u16(b + 2) ^ 0x8000;  // -Dmin: the sign bit, exact
+      const uint8_t* s = b + 4;
+      for (int j = 0; j < 4; ++j) {
+        out.d[j] = s[j] & 0x3F, out.m[j] = s[j + 4] & 0x3F;
+        out.d[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        out.m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+      }
+      const bool five_bit = type == kQ5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five_bit ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = qs[32 * (j / 2) + l];
+          uint8_t q = j % 2 ? byte >> 4 : byte & 0x0F;
+          if (five_bit) q |= ((qh[l] >> j) & 1) << 4;
+          out.q[32 * j + l] = q;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, t = e % 128;
+        const uint8_t low = t < 64 ? ql[64 * h + t] & 0x0F : ql[64 * h + t - 64] >> 4;
+        const uint8_t high = (qh[32 * h + t % 32] >> (2 * (t / 32))) & 3;
+        out.q[e] = static_cast<uint8_t>((low | (high << 4)) - 32);
+      }
+      for (int g = 0; g < 16; ++g) out.d[g] = static_cast<uint8_t>(b[192 + g]);  // int8 bits
+      out.super_d = read_u16(b + 208);
+      return;
+    }
+  }
+}
+
+
+// The packed tensors being written, as raw pointers (quantized.h's layout; sizes in the caller).
+struct Packed {
+  uint8_t* codes;
+  uint8_t* scales;   // fp16 d, or 8-bit sub-block scales
+  uint8_t* offsets;  // fp16 m, or 6-bit mins; null: none
+  uint16_t* super;   // D, -Dmin; null: none
+};
+
+// Group G's 16 rows (fewer in a last, padded group) of block i (block_weights along K) of every row.
+template <int64_t type>
+void pack_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
+                      const Packed& out) {
+  constexpr Format f = format_of(type);
+  constexpr int64_t kChunks = f.bits == 4 ? 4 : 8, kScales = f.block_weights / f.scale_weights;
+  constexpr int64_t kBlocks32 = f.block_weights / kBlock, kScaleSize = f.super ? 1 : 2;
+  DecodedBlock rows[kGroup];
+  for (int64_t r = 0; r < kGroup; ++r) {
+    if (r < num_rows) decode_block<type>(src + r * row_bytes + i * f.block_bytes, rows[r]);
+    else rows[r] = DecodedBlock{};  // padding rows: zero codes and scales
+  }
+  const int64_t blocks32 = K / kBlock;
+  for (int64_t b = 0; b < kBlocks32; ++b) {  // each 32-weight block's chunks, byte (half h, row r, element e)
+    uint8_t* chunk = out.codes + (G * blocks32 + i * kBlocks32 + b) * kChunks * kChunkBytes;
+    for (int64_t c = 0; c < kChunks; ++c)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t r = 0; r < kGroup; ++r)
+          for (int64_t e = 0; e < 2; ++e) {
+            const uint8_t* q = rows[r].q + b * kBlock + e;
+            *chunk++ = f.bits == 4 ? static_cast<uint8_t>(q[2 * (4 * c + h)] | (q[2 * (4 * c + 2 + h)] << 4))
+                                   : q[2 * (2 * c + h)];
+          }
+  }
+  for (int64_t s = 0; s < kScales; ++s) {
+    const int64_t at = (G * (K / f.scale_weights) + i * kScales + s) * kGroup;
+    for (int64_t r = 0; r < kGroup; ++r) {
+      if constexpr (kScaleSize == 2) std::memcpy(out.scales + (at + r) * 2, &rows[r].d[s], 2);
+      else out.scales[at + r] = static_cast<uint8_t>(rows[r].d[s]);
+    }
+  }
+  if constexpr (f.offsets) {
+    for (int64_t s = 0; s < kBlocks32; ++s) {
+      const int64_t at = (G * blocks32 + i * kBlocks32 + s) * kGroup;
+      for (int64_t r = 0; r < kGroup; ++r) {
+        if constexpr (kScaleSize == 2) std::memcpy(out.offsets + (at + r) * 2, &rows[r].m[s], 2);
+        else out.offsets[at + r] = static_cast<uint8_t>(rows[r].m[s]);
+      }
+    }
+  }
+  if constexpr (f.super) {
+    uint16_t* at = out.super + (G * (K / kSuperWeights) + i) * 2 * kGroup;
+    for (int64_t r = 0; r < kGroup; ++r) at[r] = rows[r].super_d, at[kGroup + r] = rows[r].super_m;
+  }
+}
+
+template <int64_t type>
+void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
+  constexpr Format f = format_of(type);
+  const int64_t row_bytes = K / f.block_weights * f.block_bytes, groups = (rows + kGroup - 1) / kGroup;
+  parallel_chunks(groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t G = begin; G < end; ++G)
+      for (int64_t i = 0; i < K / f.block_weights; ++i)
+        pack_group_block<type>(src + G * kGroup * row_bytes, row_bytes, std::min(kGroup, rows - G * kGroup), K, G, i, out);
+  });
+}
+
+}  // namespace
+
+// raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes. Returns [codes, scales, offsets,
+// super_scales] as PackedWeight holds them (an absent one empty), rows padded to whole groups of 16.
+std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K ||
+              type == kQ5_K || type == kQ6_K, "GGML type ", type, " has no packed form");
+  const Format f = format_of(type);
+  TORCH_CHECK(K % f.block_weights == 0, "K: whole blocks of ", f.block_weights);
+  const int64_t row_bytes = K / f.block_weights * f.block_bytes;
+  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.is_contiguous() && raw.numel() == rows * row_bytes,
+              "raw: the matrix's bytes, (rows, row bytes) uint8");
+  const int64_t groups = (rows + kGroup - 1) / kGroup, blocks32 = K / kBlock;
+  const auto options = torch::TensorOptions();
+  auto codes = torch::empty({groups, blocks32, f.bits == 4 ? 4 : 8, kChunkBytes},
+                            options.dtype(f.bits == 4 ? torch::kByte : torch::kChar));
+  const auto scale_type = !f.super ? torch::kHalf : (type == kQ6_K ? torch::kChar : torch::kByte);
+  auto scales = torch::empty({groups, K / f.scale_weights, kGroup}, options.dtype(scale_type));
+  auto offsets = f.offsets ? torch::empty({groups, blocks32, kGroup}, options.dtype(f.super ? torch::kByte : torch::kHalf))
+                           : torch::empty({0});
+  auto super = f.super ? torch::empty({groups, K / kSuperWeights, 2, kGroup}, options.dtype(torch::kHalf))
+                       : torch::empty({0});
+  const Packed out{static_cast<uint8_t*>(codes.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()),
+                   f.offsets ? static_cast<uint8_t*>(offsets.data_ptr()) : nullptr,
+                   f.super ? static_cast<uint16_t*>(super.data_ptr()) : nullptr};
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  switch (type) {
+    case kQ4_0: pack_all<kQ4_0>(src, rows, K, out); break;
+    case kQ4_1: pack_all<kQ4_1>(src, rows, K, out); break;
+    case kQ8_0: pack_all<kQ8_0>(src, rows, K, out); break;
+    case kQ5_0: pack_all<kQ5_0>(src, rows, K, out); break;
+    case kQ5_1: pack_all<kQ5_1>(src, rows, K, out); break;
+    case kQ4_K: pack_all<kQ4_K>(src, rows, K, out); break;
+    case kQ5_K: pack_all<kQ5_K>(src, rows, K, out); break;
+    default: pack_all<kQ6_K>(src, rows, K, out); break;
+  }
+  return {codes, scales, offsets, super};
+}
