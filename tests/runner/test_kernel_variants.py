@@ -108,3 +108,28 @@ def test_every_variant_compiles_even_where_the_cpu_cannot_run_it(name):
         results = list(pool.map(compile_one, SOURCES))
     failures = [f"{os.path.basename(s)}:\n{r.stderr[-3000:]}" for s, r in results if r.returncode != 0]
     assert not failures, "\n".join(failures)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
+    import time
+
+    from serval.runner import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = tmp_path / "serval_cpu_kernels_test"
+    directory.mkdir()
+    lock = directory / "lock"
+    lock.touch()
+    kernels._remove_stale_build_lock("serval_cpu_kernels_test")
+    assert lock.exists()  # just taken: a build is starting
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    worker = subprocess.Popen(["sleep", "30"], cwd=directory)
+    try:
+        kernels._remove_stale_build_lock("serval_cpu_kernels_test")
+        assert lock.exists()  # a process (ninja, the compiler) works in the build directory
+    finally:
+        worker.kill()
+        worker.wait()
+    kernels._remove_stale_build_lock("serval_cpu_kernels_test")
+    assert not lock.exists()

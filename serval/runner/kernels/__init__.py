@@ -135,6 +135,47 @@ def _build_directory_exists(name: str) -> bool:
     return os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
 
 
+# A build starts its compiler within seconds of taking the lock; one older than this with no process working
+# in the build directory was left by a build that was killed.
+_STALE_LOCK_SECONDS = 60
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    """Remove the build lock a killed build left behind (Ctrl-C or a timeout during the first start).
+
+    torch's builder takes the lock by creating `<build directory>/lock` and waits, without limit, for it to
+    go; a build killed mid-way leaves it, and every later start would hang. A live build has a compiler or
+    ninja process working in the build directory (checked through /proc, where there is one)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = os.path.realpath(_get_build_directory(name, verbose=False))
+    lock = os.path.join(directory, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except OSError:
+        return
+    if age < _STALE_LOCK_SECONDS or not os.path.isdir("/proc") or _process_works_in(directory):
+        return
+    logger.warning(
+        "removing the stale kernel build lock %s (left %.0f s ago by a build that was stopped)", lock, age
+    )
+    try:
+        os.remove(lock)
+    except OSError:
+        pass
+
+
+def _process_works_in(directory: str) -> bool:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == directory:
+                    return True
+            except OSError:
+                continue  # gone, or not ours to read
+    return False
+
+
 def load_cpu_kernels(variant: str | None = None):
     """The compiled kernels of `variant` (default: the best this CPU runs; SERVAL_KERNEL_VARIANT overrides),
     or None when they can't be built. Asking for a variant this CPU cannot execute is a ValueError."""
@@ -152,6 +193,7 @@ def load_cpu_kernels(variant: str | None = None):
     try:
         from torch.utils.cpp_extension import load
 
+        _remove_stale_build_lock(module_name)
         first_build = not _build_directory_exists(module_name)
         if first_build:
             logger.info(
