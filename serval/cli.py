@@ -132,6 +132,19 @@ def _add_serve_parser(subparsers: Any) -> None:
         choices=["auto", *TOOL_CALL_FORMATS],
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        help="seconds a new grammar (response_format, tools) may take to compile; past it a 400 (default 10)",
+    )
+    p.add_argument(
+        "--grammar-compile-memory",
+        type=byte_size,
+        help="memory one grammar compile may take, e.g. 512MiB; past it a 400 (default 1GiB)",
+    )
+    p.add_argument(
+        "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     _add_lora_options(p)
 
@@ -192,7 +205,10 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
          "request_timeout": "request_timeout", "max_request_body_bytes": "max_request_body_bytes",
          "max_input_tokens": "max_input_tokens", "max_iter_times": "max_iter_times",
          "full_text_enabled": "full_text_enabled", "log_level": "log_level",
-         "shutdown_grace_seconds": "shutdown_grace_seconds"},
+         "shutdown_grace_seconds": "shutdown_grace_seconds",
+         "grammar_compile_timeout": "grammar_compile_timeout",
+         "grammar_compile_memory": "grammar_compile_memory_bytes",
+         "grammar_compile_workers": "grammar_compile_workers"},
     )  # fmt: skip
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
     fields["max_seqs_per_request"] = max_seqs_per_request(options)
@@ -238,6 +254,7 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
     from serval.serving.frontend import Frontend
+    from serval.serving.grammar_pool import GrammarLimits
     from serval.serving.tokenizer import Tokenizer
 
     try:
@@ -257,6 +274,11 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
             server.max_iter_times,
             tool_call_format=server.tool_call_parser,
             max_seqs_per_request=server.max_seqs_per_request,
+            grammar_limits=GrammarLimits(
+                server.grammar_compile_timeout,
+                server.grammar_compile_memory_bytes,
+                server.grammar_compile_workers,
+            ),
         )
         app = build_app(server, frontend)
         # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out

@@ -57,6 +57,12 @@ class ServerConfig:
     # The tool-call format (serving/tool_calls.py FORMATS); None: chosen from the chat template (vLLM's
     # --tool-call-parser auto).
     tool_call_parser: str | None = None
+    # Grammar compiles (response_format, tools): a new grammar is first compiled in a worker process that is
+    # killed after this many seconds, and may add at most this much address space; past either the request
+    # is a 400. Workers: how many new grammars compile at once (serving/grammar_pool.py).
+    grammar_compile_timeout: float = 10.0
+    grammar_compile_memory_bytes: int = GIB
+    grammar_compile_workers: int = 2
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -80,6 +86,14 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")
         if self.max_seqs_per_request < 1:
             raise ValueError(f"max_seqs_per_request must be positive, got {self.max_seqs_per_request}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+        if self.grammar_compile_memory_bytes < 16 * MIB:
+            raise ValueError(
+                f"grammar_compile_memory_bytes must be at least 16 MiB, got {self.grammar_compile_memory_bytes}"
+            )
+        if self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_workers must be positive, got {self.grammar_compile_workers}")
 
     @property
     def model_name(self) -> str:

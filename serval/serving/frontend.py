@@ -31,6 +31,7 @@ from serval.serving.choices import (
 )
 from serval.serving.drain import CUT_OFF, Drain
 from serval.serving.errors import InvalidRequestError, from_engine
+from serval.serving.grammar_pool import GrammarLimits
 from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
@@ -52,6 +53,7 @@ class Frontend:
         max_iter_times: int | None = None,
         tool_call_format: str | None = None,
         max_seqs_per_request: int | None = None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.engine = engine
         # Most sequences (prompts x max(n, best_of)) one request may ask for; None: only the queue bounds it.
@@ -67,7 +69,8 @@ class Frontend:
         self.max_input_tokens = max_input_tokens
         self.max_iter_times = max_iter_times
         self.tool_format = format_for_template(source, tool_call_format)
-        self.grammars = GrammarCompiler(tokenizer)  # xgrammar is imported on the first structured request
+        # xgrammar is imported, and its worker processes started, on the first structured request.
+        self.grammars = GrammarCompiler(tokenizer, grammar_limits)
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
 

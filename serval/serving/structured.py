@@ -8,9 +8,12 @@ mix free text with checked regions. llguidance can, and compiles 7-50x faster, b
 per step (bench/grammar_engines.py; docs/structured-output.md says why the step cost decides).
 
 What must hold:
-- Compiling happens here, before the request is submitted, in a worker thread with a time limit: a schema too
-  large or too slow to compile is a 400, never a stalled engine. The cap on schema size bounds the work a
-  compile that overran its limit keeps doing in its thread.
+- Compiling happens here, before the request is submitted, and is bounded in time and memory: a spec not
+  seen before is first compiled in a worker process (serving/grammar_pool.py) that is killed at the deadline
+  and has its address space capped, so a schema too slow or too large to compile is a 400 naming the
+  parameter, the server's memory does not grow, and later requests find a fresh worker. Only a spec that
+  passed is compiled again here, in a thread, for the engine's matchers (GrammarCompiler says why twice).
+  Cheap limits come first: the schema's size (MAX_SCHEMA_BYTES) and nesting (MAX_SCHEMA_DEPTH).
 - A JSON Schema keyword that xgrammar would silently not enforce is a 400 naming the keyword, so "valid by
   construction" stays true; annotations (title, description, ...) and unknown keywords are ignored, as JSON
   Schema says.
@@ -28,19 +31,31 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from serval.serving.errors import InvalidRequestError
+from serval.serving.errors import InvalidRequestError, ServerBusyError
+from serval.serving.grammar_pool import GrammarLimits, GrammarPool, GrammarRefused
 
 if TYPE_CHECKING:
     import torch
 
 MAX_SCHEMA_BYTES = 64 * 1024
+# Schemas nested in schemas (properties, items, anyOf, ...). xgrammar's compile time grows faster than the
+# depth (64 nested objects: 0.1 s on the default vocabulary; 400: 12 s), and real schemas stay far below.
+MAX_SCHEMA_DEPTH = 64
 MAX_WHITESPACE = 16
 _CONTROL_BYTES = frozenset(range(32)) - {9, 10, 13}
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Compiled grammars xgrammar keeps for reuse (it evicts the least recently used past this; a grammar a request
+# still holds stays alive). Unbounded, a client sending a new schema per request would grow the server.
+GRAMMAR_CACHE_BYTES = 256 << 20
+# Specs whose verdict (passed, or the refusal's message) is remembered: 32-byte digests, so a few KB.
+MAX_REMEMBERED_SPECS = 1024
 # Validation keywords xgrammar does not enforce (or only for one case): refused by name.
 UNENFORCEABLE_KEYWORDS = frozenset(
     {
@@ -64,12 +79,17 @@ class TokenVocabulary(Protocol):
 
 
 def check_schema(schema: Any, param: str) -> None:
-    """Raise InvalidRequestError for a schema xgrammar could not enforce (or that is too large)."""
+    """Raise InvalidRequestError for a schema xgrammar could not enforce (or that is too large or deep)."""
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError("a JSON schema must be an object (or a boolean)", param)
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise InvalidRequestError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes", param)
-    for path, node in _schema_nodes(schema, "#"):
+    for path, node, depth in _schema_nodes(schema, "#", 0):
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(
+                f"the JSON schema nests schemas deeper than {MAX_SCHEMA_DEPTH} levels (at {path[:200]})",
+                param,
+            )
         for keyword in [k for k in node if k in UNENFORCEABLE_KEYWORDS][
             :1
         ]:  # the first, in the schema's order
@@ -88,23 +108,24 @@ def check_schema(schema: Any, param: str) -> None:
             )
 
 
-def _schema_nodes(node: Any, path: str) -> Iterator[tuple[str, dict]]:
+def _schema_nodes(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict, int]]:
+    # Depth first, so a caller that stops at the first node too deep never walks further down.
     if not isinstance(node, dict):
         return
-    yield path, node
+    yield path, node, depth
     for key, value in node.items():
         if key in _SCHEMA_VALUED:
             if isinstance(value, list):  # draft-4 tuple form of items
                 for i, item in enumerate(value):
-                    yield from _schema_nodes(item, f"{path}/{key}/{i}")
+                    yield from _schema_nodes(item, f"{path}/{key}/{i}", depth + 1)
             else:
-                yield from _schema_nodes(value, f"{path}/{key}")
+                yield from _schema_nodes(value, f"{path}/{key}", depth + 1)
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             for i, item in enumerate(value):
-                yield from _schema_nodes(item, f"{path}/{key}/{i}")
+                yield from _schema_nodes(item, f"{path}/{key}/{i}", depth + 1)
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, item in value.items():
-                yield from _schema_nodes(item, f"{path}/{key}/{name}")
+                yield from _schema_nodes(item, f"{path}/{key}/{name}", depth + 1)
 
 
 class Grammar:
@@ -144,80 +165,140 @@ class GrammarConstraint:
 
 
 class GrammarCompiler:
-    """Compiles response formats and structural tags for one tokenizer, with a cache and a time limit."""
+    """Compiles response formats and structural tags for one tokenizer: a spec not seen before is tried first
+    in a GrammarPool worker (deadline, memory cap), then compiled here; xgrammar's cache keeps the results."""
 
-    def __init__(self, tokenizer: TokenVocabulary, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, tokenizer: TokenVocabulary, limits: GrammarLimits | None = None) -> None:
         self.tokenizer = tokenizer
-        self.timeout_s = timeout_s
+        self.limits = limits or GrammarLimits()
         self._compiler: Any = None  # built on first use: importing xgrammar and indexing the vocabulary
-        # NOTE: two workers, so one compile that overran its limit (it cannot be stopped) does not hold up
-        # every later request.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="serval-grammar")
+        self._gate: GrammarPool | None = None  # built with the compiler: its workers need the vocabulary
+        self._build_lock = threading.Lock()
+        # One thread per worker process, each waiting on its worker; and the threads that compile here, apart,
+        # so that a spec seen before (mostly a hit in xgrammar's cache) never queues behind a slow new one.
+        self._gate_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.limits.num_workers, thread_name_prefix="serval-grammar-gate"
+        )
+        self._compile_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.limits.num_workers, thread_name_prefix="serval-grammar"
+        )
+        # Digests of specs the gate has ruled on, so that no spec is tried in a worker twice: those that
+        # passed compile here directly, those refused are refused at once with the same message.
+        self._passed = _Digests(MAX_REMEMBERED_SPECS)
+        self._refused = _Digests(MAX_REMEMBERED_SPECS)
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
+        with self._build_lock:
+            if self._compiler is None:
+                import xgrammar
 
-            tokenizer = self.tokenizer
-            stop_ids = set(tokenizer.eos_token_ids)
-            vocab = []
-            for token_id in range(tokenizer.vocab_size):
-                if token_id in tokenizer.special_token_ids or token_id in stop_ids:
-                    vocab.append(b"")  # xgrammar's mark of a special token: never part of the text
-                    continue
-                try:
-                    text = tokenizer.token_bytes(token_id)
-                except ValueError:  # a hole in the vocabulary
-                    text = b""
-                vocab.append(b"" if _CONTROL_BYTES.intersection(text) else text)
-            info = xgrammar.TokenizerInfo(
-                vocab,
-                xgrammar.VocabType.RAW,
-                vocab_size=tokenizer.vocab_size,
-                stop_token_ids=sorted(stop_ids),
-            )
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+                from serval.serving.grammar_worker import GrammarVocabulary
+
+                vocabulary = GrammarVocabulary(
+                    _grammar_token_bytes(self.tokenizer),
+                    self.tokenizer.vocab_size,
+                    sorted(set(self.tokenizer.eos_token_ids)),
+                )
+                self._gate = GrammarPool(vocabulary, self.limits, MAX_WHITESPACE)
+                self._compiler = xgrammar.GrammarCompiler(
+                    vocabulary.tokenizer_info(), max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
+            return self._compiler
+
+    @property
+    def num_live_workers(self) -> int:
+        return 0 if self._gate is None else self._gate.num_live_workers
 
     async def compile(self, spec: dict[str, Any], param: str) -> Grammar:
         """spec: {"type": "json_object"}, {"type": "json_schema", "schema": ..., "strict": bool}, or
-        {"type": "structural_tag", "format": ...} (xgrammar's structural tag format)."""
-        future = self._pool.submit(self._compile, spec, param)
+        {"type": "structural_tag", "format": ...} (xgrammar's structural tag format). InvalidRequestError
+        (naming `param`) if it does not compile within the limits; ServerBusyError if every worker was busy
+        with other new grammars for a whole timeout."""
+        digest = hashlib.sha256(json.dumps(spec).encode()).digest()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
-            raise InvalidRequestError(
-                f"the grammar did not compile within {self.timeout_s:g} s: simplify the schema", param
-            ) from None
+            refusal = self._refused.get(digest)
+            if refusal is not None:
+                raise GrammarRefused(refusal)
+            if self._passed.get(digest) is None:
+                await asyncio.wrap_future(self._gate_threads.submit(self._check, spec, time.monotonic()))
+                self._passed.put(digest, "")
+            # NOTE: a spec that passed is compiled a second time, here. xgrammar's compiled grammar crosses a
+            # process boundary only as JSON, which costs more than the compile (60 pattern properties: 0.2 s
+            # to compile, 2.5 s to serialize, 1.3 s to read back, 64 MB of text). The worker has just shown
+            # that this compile ends within the deadline and the memory cap; xgrammar releases the GIL.
+            return await asyncio.wrap_future(self._compile_threads.submit(self._compile, spec))
+        except GrammarRefused as e:
+            self._refused.put(digest, str(e))
+            raise InvalidRequestError(str(e), param) from None
 
     def compile_now(self, spec: dict[str, Any], param: str = "response_format") -> Grammar:
-        """The same, in the calling thread and without the time limit (offline use, tests)."""
-        return self._compile(spec, param)
-
-    def _compile(self, spec: dict[str, Any], param: str) -> Grammar:
-        compiler = self._get_compiler()
-        kind = spec["type"]
+        """The same, in the calling thread and without the gate or its limits (offline use, tests)."""
         try:
-            if kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            elif kind == "json_schema":
-                compiled = compiler.compile_json_schema(
-                    json.dumps(spec["schema"]),
-                    any_whitespace=True,
-                    strict_mode=bool(spec.get("strict")),
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                )
-            elif kind == "structural_tag":
-                compiled = compiler.compile_structural_tag(
-                    json.dumps({"type": "structural_tag", "format": spec["format"]})
-                )
-            else:
-                raise ValueError(f"unknown grammar type {kind!r}")
-        except (RuntimeError, ValueError) as e:
-            # xgrammar's messages carry a C++ source location first; the last line is the reason.
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise InvalidRequestError(f"the schema cannot be compiled into a grammar: {reason}", param) from e
+            return self._compile(spec)
+        except GrammarRefused as e:
+            raise InvalidRequestError(str(e), param) from None
+
+    def _check(self, spec: dict[str, Any], submitted_at: float) -> None:
+        # In a gate thread: GrammarRefused unless the spec compiled in a worker within the limits.
+        if time.monotonic() - submitted_at > self.limits.timeout_s:
+            raise ServerBusyError(
+                f"every grammar compile worker was busy for {self.limits.timeout_s:g} s: retry later"
+            )
+        self._get_compiler()
+        assert self._gate is not None
+        self._gate.check(spec)
+
+    def _compile(self, spec: dict[str, Any]) -> Grammar:
+        from serval.serving.grammar_worker import CompileError, compile_spec
+
+        try:
+            compiled = compile_spec(self._get_compiler(), spec, MAX_WHITESPACE)
+        except CompileError as e:
+            raise GrammarRefused(f"the schema cannot be compiled into a grammar: {e}") from e
         return Grammar(compiled, self.tokenizer.vocab_size)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._gate_threads.shutdown(wait=False, cancel_futures=True)
+        self._compile_threads.shutdown(wait=False, cancel_futures=True)
+        if self._gate is not None:
+            self._gate.close()
+
+
+def _grammar_token_bytes(tokenizer: TokenVocabulary) -> list[bytes]:
+    """Each token's bytes as xgrammar sees them: b"" (never part of a grammar's text) for special and
+    end-of-generation tokens, holes in the vocabulary and tokens holding a C0 control character."""
+    stop_ids = set(tokenizer.eos_token_ids)
+    vocab = []
+    for token_id in range(tokenizer.vocab_size):
+        if token_id in tokenizer.special_token_ids or token_id in stop_ids:
+            vocab.append(b"")  # xgrammar's mark of a special token
+            continue
+        try:
+            text = tokenizer.token_bytes(token_id)
+        except ValueError:  # a hole in the vocabulary
+            text = b""
+        vocab.append(b"" if _CONTROL_BYTES.intersection(text) else text)
+    return vocab
+
+
+class _Digests:
+    """A bounded map of spec digests to a note, oldest forgotten first; safe across threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._notes: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> str | None:
+        with self._lock:
+            note = self._notes.get(digest)
+            if note is not None:
+                self._notes.move_to_end(digest)
+            return note
+
+    def put(self, digest: bytes, note: str) -> None:
+        with self._lock:
+            self._notes[digest] = note
+            self._notes.move_to_end(digest)
+            while len(self._notes) > self.capacity:
+                self._notes.popitem(last=False)

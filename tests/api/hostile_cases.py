@@ -85,6 +85,14 @@ def deep(levels: int) -> list:
     return value
 
 
+def deep_schema(levels: int) -> dict:
+    """`levels` array schemas nested in one another (a schema's depth, not the JSON's)."""
+    value: dict = {"type": "integer"}
+    for _ in range(levels):
+        value = {"type": "array", "items": value}
+    return value
+
+
 def wrong_type_cases(model: str) -> list[tuple]:
     cases = [(f"type-{field}", CHAT, {**chat(model), field: value}, 400, field)
              for field, value in CHAT_WRONG_TYPES.items()]  # fmt: skip
@@ -221,6 +229,13 @@ def deep_cases(model: str) -> list[tuple]:
         ("deep-tool-call-arguments-129", CHAT, with_call(model, function={"name": "f", "arguments": json.dumps(
             deep(129))}), 400, "messages[1].tool_calls[0].function.arguments"),
         ("deep-content-text", CHAT, with_message(model, content="[" * 100), 200, None),
+        # Schemas: compile time grows faster than their depth, so depth is capped before compiling.
+        ("deep-schema-64", CHAT, chat(model, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": deep_schema(64)}}), 200, None),
+        ("deep-schema-65", CHAT, chat(model, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": deep_schema(65)}}), 400, "response_format.json_schema.schema"),
+        ("deep-tool-parameters-65", CHAT, chat(model, tools=[fn("f", parameters={
+            "type": "object", "properties": {"a": deep_schema(64)}})]), 400, "tools[0].function.parameters"),
     ]  # fmt: skip
 
 

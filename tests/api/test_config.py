@@ -154,3 +154,27 @@ def test_tool_call_parser_flag_reaches_the_server_config(argv, expected):
 def test_unknown_tool_call_parser_is_refused():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+def test_grammar_compile_flags_reach_the_server_config():
+    defaults = server_config(merged_options(build_parser().parse_args(["serve"])), "m")
+    assert (defaults.grammar_compile_timeout, defaults.grammar_compile_memory_bytes) == (10.0, GIB)
+    assert defaults.grammar_compile_workers == 2
+    argv = [
+        "--grammar-compile-timeout",
+        "2.5",
+        "--grammar-compile-memory",
+        "256MiB",
+        "--grammar-compile-workers",
+        "3",
+    ]
+    server = server_config(merged_options(build_parser().parse_args(["serve", *argv])), "m")
+    assert (server.grammar_compile_timeout, server.grammar_compile_memory_bytes) == (2.5, 256 * 2**20)
+    assert server.grammar_compile_workers == 3
+    for bad in (
+        {"grammar_compile_timeout": 0},
+        {"grammar_compile_memory_bytes": 2**20},
+        {"grammar_compile_workers": 0},
+    ):
+        with pytest.raises(ValueError, match="grammar_compile"):
+            ServerConfig(**bad)

@@ -200,16 +200,3 @@ def test_thinking_budget_forces_the_end_tag_then_the_grammar_continues(compiler)
     assert ids[5 : 5 + len(end_ids)] == end_ids  # five free tokens, then the end tag, forced
     assert budget.counter.num_reasoning_tokens == 5 + len(tokenizer.encode("\n</think>"))
     jsonschema.validate(json.loads(text_of(ids).split("</think>")[1]), SCHEMA)
-
-
-def test_a_compile_over_its_deadline_is_a_400():
-    import asyncio
-
-    slow = GrammarCompiler(ByteTokenizer(), timeout_s=1e-4)
-    schema = {
-        "type": "object",
-        "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,40}"} for i in range(60)},
-    }
-    with pytest.raises(InvalidRequestError, match="did not compile within"):
-        asyncio.run(slow.compile({"type": "json_schema", "schema": schema}, "response_format"))
-    slow.shutdown()
