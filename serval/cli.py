@@ -91,6 +91,13 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--ssl-keyfile", help="TLS private key (PEM)")
     p.add_argument("--ssl-certfile", help="TLS certificate (PEM)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--batch-activations",
+        choices=["float32", "int8"],
+        help="matmuls over packed 4-bit weights for batches past 8 rows (prefill, busy decode): float32 "
+        "(default: exact products of the file's weights) or int8 (x rounded per block of 32, as llama.cpp "
+        "does: more tokens/s on AVX2, greedy output may drift from fp32's; docs/benchmarks.md)",
+    )
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, help="seed of unseeded sampling")
     p.add_argument(
@@ -178,7 +185,7 @@ def _pick(options: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
 def engine_config(options: dict[str, Any]) -> EngineConfig:
     model = ModelConfig(
         **_pick(options, {"model": "model", "dtype": "dtype", "device": "device", "seed": "seed",
-                          "max_model_len": "max_model_len"}),
+                          "max_model_len": "max_model_len", "batch_activations": "batch_activations"}),
         single_sequence_threads=options.get("single_sequence_threads", 0),
     )  # fmt: skip
     cache = CacheConfig(

@@ -25,8 +25,14 @@ class ModelConfig:
     # not arithmetic, and in a server the event loop and the clients need a core meanwhile: `serval serve`
     # uses 1 (same median latency as 2 threads on 2 cores, lower p99: docs/benchmarks.md).
     single_sequence_threads: int = 0
+    # How matmuls over packed 4-bit weights take a batch of more than 8 rows (prefill, large decode
+    # batches): "float32", exact products of the file's weights; "int8", x rounded per block of 32 as
+    # llama.cpp does (twice the products an instruction on AVX2; greedy output may drift from fp32's).
+    batch_activations: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.batch_activations not in ("float32", "int8"):
+            raise ValueError(f"batch_activations must be float32 or int8, got {self.batch_activations!r}")
         if self.single_sequence_threads < 0:
             raise ValueError(f"single_sequence_threads must be >= 0, got {self.single_sequence_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

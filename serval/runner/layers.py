@@ -162,13 +162,14 @@ def small_batch_linear(
     return None
 
 
-def use_native_kernels(model: nn.Module, kernels) -> None:
+def use_native_kernels(model: nn.Module, kernels, int8_batch_activations: bool = False) -> None:
     """Point the model's layers at the native CPU kernels (None: back to plain PyTorch everywhere).
 
     The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
-    and SwiGLU take bf16 or fp32.
+    and SwiGLU take bf16 or fp32. int8_batch_activations: the quantized kernel rounds x to int8 for batches
+    past 8 rows (`--batch-activations int8`).
     """
-    from serval.runner.kernels import packed_rows_limit
+    from serval.runner.kernels import packed_rows_limit, quantized_matmul
 
     for module in model.modules():
         if isinstance(module, Linear):
@@ -176,7 +177,9 @@ def use_native_kernels(model: nn.Module, kernels) -> None:
             is_bf16 = module.weight.dtype == torch.bfloat16
             module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
             has_quantized = kernels is not None and module.packed is not None
-            module.quantized_kernel = kernels.quantized_linear if has_quantized else None
+            module.quantized_kernel = (
+                quantized_matmul(kernels, int8_batch_activations) if has_quantized else None
+            )
             module.max_quantized_rows = packed_rows_limit(kernels) if has_quantized else 0
         elif isinstance(module, RMSNorm):
             module.native_kernel = None if kernels is None else kernels.rms_norm

@@ -131,8 +131,9 @@ class ModelRunner:
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
-            use_native_kernels(self.model, kernels)
-            self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype)
+            int8 = model_config.batch_activations == "int8"
+            use_native_kernels(self.model, kernels, int8)
+            self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.batch import Batch
+from serval.runner.kernels import quantized_matmul
 from serval.runner.loader.dequant import BLOCK_CODE_TYPES, block_codes, dequantize
 from serval.runner.quantization import BLOCK, BlockCodes, find_packed, pack_block_codes, sixteen_bit_form
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
@@ -148,13 +149,16 @@ def test_weights_without_an_exact_form_are_left_alone():
     assert find_packed(torch.randn(32, 48)) is None  # width not a multiple of 32
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """What the few-row kernel computes: x rounded per block of 32 to int16 (scale max|x| / 32767) times
-    d q, plus m * sum(x_b) with the exact x (offsets: m per row and block of 32)."""
+def _reference(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, levels: int = 32767
+) -> torch.Tensor:
+    """What the integer kernels compute: x rounded per block of 32 to int16 (levels 32767: the few-row
+    path) or int8 (127: --batch-activations int8 over 4-bit codes on AVX2) times d q, plus m * sum(x_b)
+    with the exact x (offsets: m per row and block of 32)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
-    xq = (torch.where(amax > 0, torch.round(xb * (32767 / amax)), 0) * (amax / 32767)).reshape(m, k)
+    xq = (torch.where(amax > 0, torch.round(xb * (levels / amax)), 0) * (amax / levels)).reshape(m, k)
     wb = weight.reshape(weight.shape[0], -1, BLOCK)
     scaled = (wb - offsets[..., None]).reshape(weight.shape)  # d * q
     return xq.double() @ scaled.double().t() + x.double().reshape(m, -1, BLOCK).sum(-1) @ offsets.double().t()
@@ -183,6 +187,16 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     else:
         # Dequantized tiles: the file's exact weights times x in fp32.
         assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
+        int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
+        if packed.bits == 4 and kernels.variant != "portable":
+            # x rounded to 1/127 of each block's largest value (VPMADDUBSW), the rest as on the int16 path.
+            expected = _reference(x, weight, _offsets(block), levels=127).float()
+            assert (int8 - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
+            # Row 0's outlier (900) takes its block's whole int8 range: the other rows stay near exact.
+            error = (int8[1:].double() - exact[1:]).abs() / (exact[1:].abs().max() + 1)
+            assert error.max().item() < 5e-2
+        else:  # no int8 path for this layout or build: the exact tiles
+            assert torch.equal(int8, got)
     got_bf16 = packed.matmul(kernels.quantized_linear, x.bfloat16())
     assert got_bf16.dtype == torch.bfloat16
 

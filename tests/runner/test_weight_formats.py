@@ -119,3 +119,35 @@ def test_formats_match_transformers_dense_and_packed(model_file, kernels, monkey
         # A decode step rounds the activations to int16 per block of 32 (quantized_linear.cpp): within 1%.
         assert (_decode_logits(packed, prompt) - theirs).abs().max().item() < 1e-2 * scale
     assert _greedy(packed, PROMPTS, max_tokens=16) == _greedy(dense, PROMPTS, max_tokens=16)
+
+
+def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, kernels, monkeypatch):
+    """--batch-activations int8: prefill (more than 8 rows) rounds x to int8 per block over 4-bit codes;
+    the logits stay close to the exact path's."""
+    from transformers import LlamaConfig
+
+    if kernels.variant == "avx512":
+        pytest.skip("with native bf16, auto computes in bf16 and batches run on the dense bf16 weights")
+    monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
+    monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
+    path = str(tmp_path / "Q4_0.gguf")
+    hf_config = LlamaConfig(**SHAPE).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    write_gguf_from_state_dict(path, hf_config, state_dict, qtype_for_matrices=Q.Q4_0)
+    exact = _engine(path, "auto")
+    rounded = Engine(
+        EngineConfig(
+            model=ModelConfig(model=path, batch_activations="int8"), cache=CacheConfig(num_blocks=64)
+        )
+    )
+    for prompt in PROMPTS:
+        want = _serval_logits(exact, prompt)
+        got = _serval_logits(rounded, prompt)
+        scale = want.abs().max().item()
+        assert (got - want).abs().max().item() < 5e-2 * scale
+        if kernels.variant != "portable" and len(prompt) > 8:  # the portable build has no int8 path
+            assert not torch.equal(got, want)
+        # A decode step's own matmuls are the exact path's; its cache holds the int8 prefill's K and V.
+        decoded = _decode_logits(rounded, prompt)
+        assert (decoded - _decode_logits(exact, prompt)).abs().max().item() < 5e-2 * scale
+    with pytest.raises(ValueError, match="batch_activations"):
+        ModelConfig(batch_activations="int4")

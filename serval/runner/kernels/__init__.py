@@ -15,6 +15,7 @@ computes the same thing more slowly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ SOURCES = tuple(
         "decode_stack.cpp",
         "quantized_linear.cpp",
         "quantized_tiles.cpp",
+        "quantized_int8.cpp",
         "half_linear.cpp",
         "gguf_repack.cpp",
     )
@@ -127,6 +129,14 @@ def packed_rows_limit(kernels) -> int:
     if kernels is None:
         return 0
     return 8 if kernels.variant == "avx512" else UNBOUNDED_ROWS
+
+
+def quantized_matmul(kernels, int8_batch_activations: bool):
+    """kernels.quantized_linear, with x rounded to int8 for batches past 8 rows where asked (its last
+    argument): what the model's packed matmuls call."""
+    if not int8_batch_activations:
+        return kernels.quantized_linear
+    return functools.partial(kernels.quantized_linear, int8_batch_activations=True)
 
 
 def _build_directory_exists(name: str) -> bool:

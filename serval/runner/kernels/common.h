@@ -81,7 +81,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               torch::Tensor super_scales, int64_t N);
+                               torch::Tensor super_scales, int64_t N, bool int8_batch_activations);
 // x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].

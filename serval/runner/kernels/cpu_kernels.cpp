@@ -186,7 +186,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache (one query token per sequence)", release());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefilling sequences over the paged KV cache, written into out", release());
-  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", release());
+  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("super_scales"),
+        pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
   register_decode_stack(m);
 }

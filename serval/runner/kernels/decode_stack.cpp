@@ -25,6 +25,7 @@ struct LinearWeights {
   std::vector<PackedPart> packed;  // empty: no packed form; several: outputs side by side (PackedParts)
   bool use_small_batch_kernel = false;
   int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
+  bool int8_batch_activations = false;  // quantized_linear's
 
   // The Linear layer's dispatch: the quantized kernel for a few rows when packed, else the small-batch
   // bf16 kernel for a few rows, else PyTorch's matmul.
@@ -33,7 +34,8 @@ struct LinearWeights {
     if (!packed.empty() && x.size(0) <= max_quantized_rows) {
       std::vector<torch::Tensor> outputs;
       for (const auto& p : packed)
-        outputs.push_back(quantized_linear(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features));
+        outputs.push_back(quantized_linear(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features,
+                                          int8_batch_activations));
       y = outputs.size() == 1 ? outputs[0] : torch::cat(outputs, 1);
     } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
       y = bf16_linear_small_batch(x, weight);
@@ -47,7 +49,7 @@ struct LinearWeights {
 // t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
 // whole groups of 16 rows (PackedParts), so its row count is its codes' (groups, or rows of 16-bit weights).
 LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_quantized_rows,
-                             int64_t max_small_batch_rows) {
+                             int64_t max_small_batch_rows, bool int8_batch_activations) {
   TORCH_CHECK(!t.empty() && (t.size() - 1) % 4 == 0, "a linear layer: its weight and 4 tensors per packed part");
   LinearWeights w{t[0]};
   int64_t rows_left = w.weight.size(0);
@@ -60,6 +62,7 @@ LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_qu
   }
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
+  w.int8_batch_activations = int8_batch_activations;
   w.use_small_batch_kernel = w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
   return w;
 }
@@ -78,14 +81,15 @@ class DecodeStack {
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers,
               const std::vector<std::vector<std::vector<torch::Tensor>>>& linears, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
-              int64_t max_small_batch_rows)
+              int64_t max_small_batch_rows, bool int8_batch_activations)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale) {
     TORCH_CHECK(layers.size() == linears.size(), "one list of linear layers per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       TORCH_CHECK(t.size() == 7 && linears[i].size() == 4, "each layer: 7 tensors and 4 linear layers");
-      auto linear = [&](int64_t j) { return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows); };
+      auto linear = [&](int64_t j) { return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations);
+      };
       layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(0), linear(1),
                          linear(2), linear(3), t[5], t[6]});
     }
@@ -160,7 +164,7 @@ void register_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
                           const std::vector<std::vector<std::vector<torch::Tensor>>>&, int64_t, int64_t, int64_t,
-                          int64_t, double, double, int64_t, int64_t>())
+                          int64_t, double, double, int64_t, int64_t, bool>())
       .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

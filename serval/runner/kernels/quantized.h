@@ -103,4 +103,10 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
 void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                               float* out, int64_t out_stride);
 
+// The same with x rounded to int8 per block of 32 (quantized_int8.cpp): twice the products an instruction,
+// where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). Opt-in: --batch-activations int8.
+bool has_int8_rows(Layout layout);
+void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
+                      int64_t out_stride);
+
 }  // namespace serval_kernels::quantized

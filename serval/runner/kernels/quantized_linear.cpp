@@ -285,10 +285,12 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
 
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
 // through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp (FMAs are).
-// offsets and super_scales may be empty (undefined in the DecodeStack): the layout has none. codes in fp16 or
+// int8_batch_activations: more than kMaxRows rows of x go through quantized_int8.cpp where it has the layout
+// (x rounded to int8 per block, as llama.cpp does: faster, not exact). offsets and super_scales may be empty
+// (undefined in the DecodeStack): the layout has none. codes in fp16 or
 // bf16, (N, K) with no scales, are 16-bit weights: half_linear.cpp computes those.
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               torch::Tensor super_scales, int64_t N) {
+                               torch::Tensor super_scales, int64_t N, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
   if (codes.scalar_type() == torch::kHalf || codes.scalar_type() == torch::kBFloat16) {
     TORCH_CHECK(!present(scales) && !present(offsets) && !present(super_scales), "16-bit weights have no scales");
@@ -307,6 +309,8 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   float* op = out.data_ptr<float>();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
+  } else if (M > kMaxRows && int8_batch_activations && has_int8_rows(layout)) {
+    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else if (M > kMaxRows) {
     matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else {

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from serval.runner.attention import AttentionMetadata, paged_attention
-from serval.runner.kernels import packed_rows_limit
+from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
     GatedMLP,
     Linear,
@@ -152,18 +152,30 @@ class LlamaForCausalLM(nn.Module):
         return (x @ weight.t() if logits is None else logits).float()
 
     def use_kernels(
-        self, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, dtype: torch.dtype
+        self,
+        kernels,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        dtype: torch.dtype,
+        int8_batch_activations: bool = False,
     ) -> None:
         """Run on the native CPU kernels once the weights are loaded (the runner calls it after
-        layers.use_native_kernels): the tied head's matmuls and a DecodeStack over these caches."""
+        layers.use_native_kernels, with the same int8_batch_activations): the tied head's matmuls and a
+        DecodeStack over these caches."""
         if dtype == torch.bfloat16:
             self.tied_head_kernel = kernels.bf16_linear_small_batch
         if self.packed_tied_head is not None:
-            self.tied_head_quantized_kernel = kernels.quantized_linear
+            self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
-        self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size)
+        self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size, int8_batch_activations)
 
-    def make_decode_stack(self, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+    def make_decode_stack(
+        self,
+        kernels,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        int8_batch_activations: bool = False,
+    ):
         """The native DecodeStack over these layers' weights and caches (computes what forward computes)."""
         none = torch.empty(0)
 
@@ -195,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
         return kernels.DecodeStack(
             layers, linears, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
             self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
+            int8_batch_activations,
         )  # fmt: skip
 
     def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:

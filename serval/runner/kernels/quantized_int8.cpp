@@ -1,0 +1,152 @@
+// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows) with int8 activations, on
+// AVX2: VPMADDUBSW multiplies the unsigned 4-bit codes by signed 8-bit x, 32 products an instruction, twice
+// what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves the other layouts and the
+// portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
+// path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
+// Opt-in (`--batch-activations int8`): the default keeps the exact tiles.
+//
+// For one packed group (16 output rows), scale block s (32 weights) and a few rows of x: each 32-byte half of
+// a chunk, masked to its low or high nibbles, holds 2 consecutive weights of each of the 16 rows as byte
+// pairs (quantized.h), so VPMADDUBSW against x's matching 2 bytes, broadcast, gives one int16 per row.
+// 8 pairs sum in int16 without overflow (8 x 2 x 15 x 127 < 32767), so a block is two int16 sums a row,
+// widened once: y += d dx dot(q, xq) + m sum(x_b) in fp32, the sum of x exact as on the few-row path.
+#include "quantized.h"
+
+using namespace serval_kernels;
+using namespace serval_kernels::quantized;
+
+namespace {
+
+#if defined(__AVX2__)
+constexpr int kPassRows = 4;  // rows of x per pass: 2 int16 sums each plus a chunk's 4 operands fit 16 registers
+
+struct Int8Rows {
+  std::vector<int8_t> codes;  // (M, K) round(x / d)
+  std::vector<float> scales;  // (M, K / 32) d = max|x_b| / 127
+  std::vector<float> sums;    // (M, K / 32) sum of x_b, exact
+};
+
+Int8Rows quantize_int8(const float* x, int64_t M, int64_t K) {
+  const int64_t num_blocks = K / kBlock;
+  Int8Rows q{std::vector<int8_t>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
+  for (int64_t i = 0; i < M * num_blocks; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    q.scales[i] = amax / 127.0f;
+    q.sums[i] = sum;
+  }
+  return q;
+}
+
+inline __m256i broadcast_pair(const int8_t* p) {
+  int16_t v;
+  std::memcpy(&v, p, 2);
+  return _mm256_set1_epi16(v);
+}
+
+// acc[r][0:16] += the block's products for rows r0 .. r0 + R of x.
+template <Layout L, int R>
+void block_rows(const uint8_t* block, const float* d, const float* m, const Int8Rows& xq, int64_t r0, int64_t K,
+                int64_t s, float* acc) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i sums[R][2];  // int16 row sums of pairs 0-7 and 8-15
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
+    const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
+    const __m256i operand[4] = {  // pairs 4c, 4c + 1, 4c + 2, 4c + 3
+        _mm256_and_si256(half0, nibble), _mm256_and_si256(half1, nibble),
+        _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
+      for (int o = 0; o < 4; ++o)
+        sums[r][c / 2] = _mm256_add_epi16(sums[r][c / 2], _mm256_maddubs_epi16(operand[o], broadcast_pair(x + 2 * o)));
+    }
+  }
+  const int64_t num_blocks = K / kBlock;
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * num_blocks + s;
+    const __m256 dx = _mm256_set1_ps(xq.scales[i]), sum_x = _mm256_set1_ps(xq.sums[i]);
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+      const __m128i a = h == 0 ? _mm256_castsi256_si128(sums[r][0]) : _mm256_extracti128_si256(sums[r][0], 1);
+      const __m128i b = h == 0 ? _mm256_castsi256_si128(sums[r][1]) : _mm256_extracti128_si256(sums[r][1], 1);
+      const __m256i dot = _mm256_add_epi32(_mm256_cvtepi16_epi32(a), _mm256_cvtepi16_epi32(b));
+      float* out = acc + (r0 + r) * kGroup + 8 * h;
+      __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), dx),
+                                 _mm256_loadu_ps(out));
+      y = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * h), sum_x, y);
+      _mm256_storeu_ps(out, y);
+    }
+  }
+}
+
+using BlockRows = void (*)(const uint8_t*, const float*, const float*, const Int8Rows&, int64_t, int64_t, int64_t,
+                           float*);
+
+template <Layout L>
+BlockRows block_rows_for(int64_t rows) {
+  switch (rows) {
+    case 1: return block_rows<L, 1>;
+    case 2: return block_rows<L, 2>;
+    case 3: return block_rows<L, 3>;
+    default: return block_rows<L, 4>;
+  }
+}
+
+template <Layout L>
+void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
+                 int64_t out_stride) {
+  static_assert(Traits<L>::kFourBit && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
+  const int64_t K = w.K, num_blocks = K / kBlock;
+  const Int8Rows xq = quantize_int8(x, M, K);
+  parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * kGroup);
+    for (int64_t G = begin; G < end; ++G) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < num_blocks; ++s) {
+        alignas(32) float d[kGroup], m[kGroup];
+        block_scales<L>(w, G, s, d, m);
+        const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
+        for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
+          block_rows_for<L>(std::min<int64_t>(kPassRows, M - r0))(block, d, m, xq, r0, K, s, acc.data());
+      }
+      for (int64_t r = 0; r < M; ++r)
+        std::memcpy(out + r * out_stride + G * kGroup, acc.data() + r * kGroup, kGroup * sizeof(float));
+    }
+  }, Schedule::kDynamic);
+}
+#endif
+
+}  // namespace
+
+namespace serval_kernels::quantized {
+
+bool has_int8_rows(Layout layout) {
+#if defined(__AVX2__)
+  return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K;
+#else
+  (void)layout;
+  return false;
+#endif
+}
+
+void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                      float* out, int64_t out_stride) {
+  TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
+#if defined(__AVX2__)
+  switch (layout) {
+    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
+    default: break;
+  }
+#endif
+}
+
+}  // namespace serval_kernels::quantized
