@@ -205,13 +205,11 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
         params = req.completion_sampling_params(body, is_stream, vocab_size)
         given = req.completion_prompts(body.prompt)
         frontend.check_num_sequences(len(given), params, "prompt")  # before tokenizing thousands of prompts
-        prompts = []
         for prompt in given:
-            if isinstance(prompt, str):
-                prompts.append(frontend.encode_prompt(prompt))
-            else:
+            if not isinstance(prompt, str):
                 frontend.check_token_ids(prompt, "prompt")
-                prompts.append(list(prompt))
+        encoded = iter(await frontend.encode_prompts([p for p in given if isinstance(p, str)]))
+        prompts = [next(encoded) if isinstance(p, str) else list(p) for p in given]
         echoes = [frontend.decode(p) if not isinstance(p, str) else p for p in given]
         echoes = echoes if body.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -272,16 +270,16 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
             messages, continue_final = req.template_messages(
                 body.messages, body.continue_final_message, roles
             )
-            tokens = frontend.render_chat(
+            tokens = await frontend.tokenize_chat(
                 messages,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 continue_final_message=continue_final,
                 template_kwargs=body.chat_template_kwargs,
             )
-        elif body.add_special_tokens is False:
-            tokens = frontend.tokenizer.encode(body.prompt or "")
         else:
-            tokens = frontend.encode_prompt(body.prompt or "")
+            [tokens] = await frontend.encode_prompts(
+                [body.prompt or ""], body.add_special_tokens is not False
+            )
         return {"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

@@ -2,7 +2,8 @@
 
 Owns the fan-out: n (or best_of) sampled sequences per prompt, each its own engine request with its own seed,
 the later ones forking the first one's prompt blocks (`share_prompt_with`); or one beam search per prompt
-whose n beams become n choices. And the fold back: keeping the best n of best_of by cumulative logprob.
+whose n beams become n choices. And the fold back: keeping the best n of best_of by cumulative logprob, and
+the request's usage over all its choices.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from serval.engine.beam_search import BeamSequence
 from serval.engine.outputs import RequestOutput
 from serval.sampling import SamplingParams
 from serval.serving.errors import InvalidRequestError
-from serval.serving.stream import Completion
+from serval.serving.stream import ChoiceStream, Completion, Usage
 
 MAX_SEED = 2**64
 
@@ -108,3 +109,28 @@ def keep_best(completion: Completion, params: SamplingParams) -> Completion:
     for index, choice in enumerate(chosen):
         choice.index = index
     return Completion(chosen, completion.usage)
+
+
+def usage_of(prompts: list[list[int]], sequences: list[SequencePlan], streams: list[ChoiceStream]) -> Usage:
+    """One request's usage, from its prompts and the streams of all its choices."""
+    # A prompt is counted once however many sequences it has; its cache hits are its first sequence's.
+    first_of_prompt: dict[int, ChoiceStream] = {}
+    prompt_of_choice = {s.index + k: s.prompt_index for s in sequences for k in range(s.num_choices)}
+    for stream in streams:
+        first_of_prompt.setdefault(prompt_of_choice[stream.index], stream)
+    usage = Usage(
+        num_prompt_tokens=sum(len(prompt) for prompt in prompts),
+        num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
+        # Every sequence asks to pin; the first to get there writes, the rest only refresh (count 0).
+        num_cache_creation_tokens=sum(stream.num_newly_pinned_tokens for stream in streams),
+        num_completion_tokens=sum(stream.num_output_tokens for stream in streams),
+        num_reasoning_tokens=sum(stream.num_reasoning_tokens for stream in streams),
+    )
+    longest = max(streams, key=lambda stream: stream.num_output_tokens, default=None)
+    if longest is not None and longest.metrics is not None:
+        metrics = longest.metrics
+        usage.batch_sizes = list(metrics.batch_sizes)
+        usage.queue_wait_us = list(metrics.queue_wait_us)
+        usage.prefill_time_ms = metrics.prefill_time_ms
+        usage.decode_time_ms = list(metrics.decode_time_ms)
+    return usage

@@ -28,6 +28,7 @@ from serval.serving.choices import (
     check_num_sequences,
     keep_best,
     plan_sequences,
+    usage_of,
 )
 from serval.serving.drain import CUT_OFF, Drain
 from serval.serving.errors import InvalidRequestError, from_engine
@@ -35,8 +36,9 @@ from serval.serving.grammar_pool import GrammarLimits
 from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
-from serval.serving.stream import ChoiceStream, Completion, Event, Usage, fold
+from serval.serving.stream import ChoiceStream, Completion, Event, fold
 from serval.serving.structured import GrammarCompiler
+from serval.serving.text_threads import TextThreads, num_message_chars
 from serval.serving.tool_calls import format_for_template
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class Frontend:
         self.grammars = GrammarCompiler(tokenizer, grammar_limits)
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
+        self.text_threads = TextThreads()
 
     @property
     def max_model_len(self) -> int:
@@ -124,9 +127,12 @@ class Frontend:
             messages = list(messages)
             messages[index] = {**messages[index], "content": text[:offset] + marker + text[offset:]}
         messages, tools = prepare_messages(messages, options, self.tool_format, self.template_source)
-        segments = self._render(
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, marker
-        )
+        # Rendered and tokenized together, off the event loop when the text is long (serving/text_threads.py).
+        segments, (token_ids, num_pinned_tokens) = await self.text_threads.run(
+            num_message_chars(messages),
+            self._render_and_encode,
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, marker,
+        )  # fmt: skip
         thinks = template_thinks(self.template_source)
         starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
         reasoning = "open" if starts_in_reasoning else ("optional" if thinks else "none")
@@ -143,8 +149,24 @@ class Frontend:
             thinking_budget=budget,
             think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
         )
-        token_ids, num_pinned_tokens = self._encode(segments)
         return token_ids, plan, num_pinned_tokens
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """render_chat, off the event loop when the text is long."""
+        return await self.text_threads.run(num_message_chars(messages), self.render_chat, messages, **kwargs)
+
+    async def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Raw completion prompts' ids (a raw prompt is the client's own template: special tokens in it are
+        meant as such), off the event loop when the text is long. add_special_tokens: BOS as the model wants."""
+        return await self.text_threads.run(
+            sum(map(len, texts)), lambda: [self.tokenizer.encode(t, add_special_tokens) for t in texts]
+        )
+
+    def _render_and_encode(
+        self, messages: list[dict[str, Any]], *render_args: Any
+    ) -> tuple[list[Segment], tuple[list[int], int]]:
+        segments = self._render(messages, *render_args)
+        return segments, self._encode(segments)
 
     def _render(
         self,
@@ -180,10 +202,6 @@ class Frontend:
             if segment.ends_cache_prefix:
                 num_prefix_tokens = len(token_ids)
         return token_ids, num_prefix_tokens
-
-    def encode_prompt(self, text: str) -> list[int]:
-        # A raw completion prompt is the client's own template: special tokens in it are meant as such.
-        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size
@@ -299,7 +317,7 @@ class Frontend:
                 if stream.is_finished and not item.finished:
                     tasks[index].cancel()  # a stop string matched: abort the engine request
                 yield delta
-            usage = self._usage(prompts, sequences, streams)
+            usage = usage_of(prompts, sequences, streams)
             usage.uses_explicit_cache = num_pinned_prompt_tokens > 0
             yield usage
         finally:
@@ -363,31 +381,6 @@ class Frontend:
         finally:
             outputs.close()
             queue.put_nowait((sequence.index, None))
-
-    def _usage(
-        self, prompts: list[list[int]], sequences: list[SequencePlan], streams: list[ChoiceStream]
-    ) -> Usage:
-        # A prompt is counted once however many sequences it has; its cache hits are its first sequence's.
-        first_of_prompt: dict[int, ChoiceStream] = {}
-        prompt_of_choice = {s.index + k: s.prompt_index for s in sequences for k in range(s.num_choices)}
-        for stream in streams:
-            first_of_prompt.setdefault(prompt_of_choice[stream.index], stream)
-        usage = Usage(
-            num_prompt_tokens=sum(len(prompt) for prompt in prompts),
-            num_cached_tokens=sum(stream.num_cached_tokens for stream in first_of_prompt.values()),
-            # Every sequence asks to pin; the first to get there writes, the rest only refresh (count 0).
-            num_cache_creation_tokens=sum(stream.num_newly_pinned_tokens for stream in streams),
-            num_completion_tokens=sum(stream.num_output_tokens for stream in streams),
-            num_reasoning_tokens=sum(stream.num_reasoning_tokens for stream in streams),
-        )
-        longest = max(streams, key=lambda stream: stream.num_output_tokens, default=None)
-        if longest is not None and longest.metrics is not None:
-            metrics = longest.metrics
-            usage.batch_sizes = list(metrics.batch_sizes)
-            usage.queue_wait_us = list(metrics.queue_wait_us)
-            usage.prefill_time_ms = metrics.prefill_time_ms
-            usage.decode_time_ms = list(metrics.decode_time_ms)
-        return usage
 
 
 def _tail(segments: list[Segment], continue_final_message: bool) -> str:
