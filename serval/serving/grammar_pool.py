@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -121,6 +122,7 @@ class GrammarPool:
         self._workers: list[_Worker] = []  # every live worker, idle or not (for num_live_workers, close)
         self._lock = threading.Lock()
         self._is_started = False
+        self.ready_at: float | None = None  # time.monotonic() when a worker was first ready; None before
         # Workers die with their pool (a test's Frontend), not only with the process.
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
@@ -139,7 +141,11 @@ class GrammarPool:
         except queue.Empty:
             raise RuntimeError("no grammar worker is left: restarting them failed") from None
         try:
+            if not worker.process.is_alive():  # died while idle (the kernel's OOM killer, an operator)
+                worker = self._replace(worker)
             worker.wait_ready()
+            if self.ready_at is None:
+                self.ready_at = time.monotonic()
             worker.conn.send(spec)
             if not worker.conn.poll(self.limits.timeout_s):
                 worker = self._replace(worker)

@@ -95,7 +95,8 @@ def worker_main(
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True)
     # The cap is on top of what the worker already maps (the torch import alone maps ~0.7 GB), so that
     # `memory_bytes` is what one compile may take.
-    mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # noqa: SIM115
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
     conn.send(("ready", None))
     while True:

@@ -186,6 +186,10 @@ class GrammarCompiler:
         # passed compile here directly, those refused are refused at once with the same message.
         self._passed = _Digests(MAX_REMEMBERED_SPECS)
         self._refused = _Digests(MAX_REMEMBERED_SPECS)
+        # Specs in a worker now, by digest: requests for the same new spec (a burst of one tool set) wait for
+        # that one check instead of each taking a worker.
+        self._checking: dict[bytes, concurrent.futures.Future] = {}
+        self._checking_lock = threading.Lock()
 
     def _get_compiler(self) -> Any:
         with self._build_lock:
@@ -220,7 +224,8 @@ class GrammarCompiler:
             if refusal is not None:
                 raise GrammarRefused(refusal)
             if self._passed.get(digest) is None:
-                await asyncio.wrap_future(self._gate_threads.submit(self._check, spec, time.monotonic()))
+                # Shielded: a client that goes away must not cancel a check other requests wait for.
+                await asyncio.shield(asyncio.wrap_future(self._check_once(digest, spec)))
                 self._passed.put(digest, "")
             # NOTE: a spec that passed is compiled a second time, here. xgrammar's compiled grammar crosses a
             # process boundary only as JSON, which costs more than the compile (60 pattern properties: 0.2 s
@@ -238,14 +243,31 @@ class GrammarCompiler:
         except GrammarRefused as e:
             raise InvalidRequestError(str(e), param) from None
 
+    def _check_once(self, digest: bytes, spec: dict[str, Any]) -> concurrent.futures.Future:
+        with self._checking_lock:
+            future = self._checking.get(digest)
+            if future is None:
+                future = self._gate_threads.submit(self._check, spec, time.monotonic())
+                self._checking[digest] = future
+                future.add_done_callback(lambda _: self._forget_check(digest))
+            return future
+
+    def _forget_check(self, digest: bytes) -> None:
+        with self._checking_lock:
+            self._checking.pop(digest, None)
+
     def _check(self, spec: dict[str, Any], submitted_at: float) -> None:
         # In a gate thread: GrammarRefused unless the spec compiled in a worker within the limits.
-        if time.monotonic() - submitted_at > self.limits.timeout_s:
+        self._get_compiler()
+        assert self._gate is not None
+        # NOTE: the wait for a free worker is bounded from when the workers were first ready: the first
+        # structured requests wait for them to start (seconds, more on a busy machine), which is not a sign of
+        # workers held by slow schemas.
+        ready_at = self._gate.ready_at
+        if ready_at is not None and time.monotonic() - max(submitted_at, ready_at) > self.limits.timeout_s:
             raise ServerBusyError(
                 f"every grammar compile worker was busy for {self.limits.timeout_s:g} s: retry later"
             )
-        self._get_compiler()
-        assert self._gate is not None
         self._gate.check(spec)
 
     def _compile(self, spec: dict[str, Any]) -> Grammar:

@@ -95,6 +95,26 @@ def test_one_worker_is_replaced_so_the_next_compile_does_not_wait(tokenizer):
         compiler.shutdown()
 
 
+def test_requests_for_the_same_new_spec_share_one_check(tokenizer):
+    # One worker: were each request to take the worker in turn, the later ones would wait past the deadline
+    # for it (429) or be refused seconds later; the one check answers them all.
+    compiler = GrammarCompiler(tokenizer, GrammarLimits(timeout_s=3.0, num_workers=1))
+
+    async def run() -> list:
+        finished: list = []
+        await asyncio.gather(
+            *(outcome(compiler, f"r{i}", schema_spec(SLOW), "response_format", finished) for i in range(4))
+        )
+        return finished
+
+    try:
+        finished = asyncio.run(run())
+    finally:
+        compiler.shutdown()
+    assert len(finished) == 4
+    assert all("did not compile within 3 s" in str(error) for _, error in finished)
+
+
 def test_a_compile_past_its_memory_cap_is_a_400(tokenizer):
     compiler = GrammarCompiler(tokenizer, GrammarLimits(timeout_s=60.0, memory_bytes=64 << 20, num_workers=1))
 
@@ -132,3 +152,24 @@ def test_schemas_nested_too_deep_are_refused_before_compiling():
     with pytest.raises(InvalidRequestError, match=f"deeper than {MAX_SCHEMA_DEPTH} levels") as refused:
         check_schema({"type": "object", "properties": {"a": schema}}, "response_format")
     assert refused.value.param == "response_format"
+
+
+def test_a_worker_killed_while_idle_is_replaced_before_its_next_compile():
+    # The kernel's OOM killer or an operator may kill an idle worker; the next compile must not fail for it.
+    import multiprocessing
+    import os
+    import signal
+
+    from tests.serving.fakes import ByteTokenizer
+
+    compiler = GrammarCompiler(ByteTokenizer(), GrammarLimits(timeout_s=30.0, num_workers=1))
+    others = {p.pid for p in multiprocessing.active_children()}  # other compilers' workers, not yet collected
+    try:
+        asyncio.run(compiler.compile(schema_spec(NORMAL), "response_format"))
+        [worker] = [p for p in multiprocessing.active_children() if p.pid not in others]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        asyncio.run(compiler.compile(schema_spec({**NORMAL, "required": ["age"]}), "response_format"))
+        assert compiler.num_live_workers == 1
+    finally:
+        compiler.shutdown()
