@@ -42,7 +42,10 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(
     head_dim: int, theta: float, scaling: RopeScaling | None, freq_factors: torch.Tensor | None = None
 ) -> torch.Tensor:  # (head_dim // 2,) float32
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # On the CPU even while a model is built on the meta device: a factory op there goes through torch's
+    # Python refs, whose first use imports torch._dynamo (~2 s of every start).
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if freq_factors is not None:
         # GGUF files of Llama 3.1 carry the llama3 scaling baked into per-frequency divisors.
         return (inv_freq / freq_factors.to(torch.float64)).float()
@@ -92,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor):
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(positions, inv_freq)  # (max_positions, head_dim // 2)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -93,7 +93,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given its (uninitialized) weight: the checkpoint overwrites it, and nn.Embedding's own random init
+        # on the meta device goes through torch's Python refs, whose first use imports torch._dynamo (~2 s
+        # of every start).
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False)
