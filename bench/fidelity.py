@@ -32,10 +32,14 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", help="the path compared with float32")
+    parser.add_argument(
+        "--batch-activations", default="float32", help="of the compared path (int8: see configuration.md)"
+    )
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     reference = [o.outputs[0].token_ids for o in LLM(args.model, dtype="float32").generate(PROMPTS, params)]
-    other = [o.outputs[0].token_ids for o in LLM(args.model, dtype=args.dtype).generate(PROMPTS, params)]
+    compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
+    other = [o.outputs[0].token_ids for o in compared.generate(PROMPTS, params)]
     for prompt, ref, got in zip(PROMPTS, reference, other):
         n = leading_agreement(ref, got)
         print(
@@ -50,6 +54,7 @@ def main() -> None:
             {
                 "summary": f"{identical}/{len(PROMPTS)} prompts identical for {args.max_tokens} tokens",
                 "dtype": args.dtype,
+                "batch_activations": args.batch_activations,
             }
         )
     )

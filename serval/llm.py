@@ -69,10 +69,16 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
+        batch_activations: str = "float32",
     ):
         config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                seed=seed,
+                batch_activations=batch_activations,
             ),
             cache=CacheConfig(
                 block_size=block_size,
