@@ -99,7 +99,7 @@ class Engine:
         lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model."""
         if request_id in self.requests or request_id in self.beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_prompt(len(prompt_token_ids), params)
+        check_prompt(len(prompt_token_ids), params, self.max_model_len)
         if not 0 <= num_pinned_prompt_tokens <= len(prompt_token_ids):
             raise ValueError("num_pinned_prompt_tokens must be between 0 and the prompt's length")
         vocab_size = self.runner.info.vocab_size
@@ -150,9 +150,6 @@ class Engine:
         group.add_root(root)
         self.beam_groups[request_id] = group
         self.scheduler.add(root)
-
-    def check_prompt(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        check_prompt(num_prompt_tokens, params, self.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.beam_groups.pop(request_id, None)
