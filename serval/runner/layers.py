@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.models.arch import RopeScaling
+from serval.runner.quantization import PackedParts, PackedWeight
 
 if TYPE_CHECKING:
     from serval.runner.lora import LoraBatch, LoraTarget
-    from serval.runner.quantization import PackedParts, PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -172,8 +173,6 @@ def use_native_kernels(model: nn.Module, kernels, int8_batch_activations: bool =
     and SwiGLU take bf16 or fp32. int8_batch_activations: the quantized kernel rounds x to int8 for batches
     past 8 rows (`--batch-activations int8`).
     """
-    from serval.runner.kernels import packed_rows_limit, quantized_matmul
-
     for module in model.modules():
         if isinstance(module, Linear):
             usable = kernels is not None and module.in_features % 32 == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from serval.runner.layers import Linear
 from serval.runner.quantization import (
     GROUP,
     PackedParts,
@@ -105,8 +106,6 @@ class LowBitPacker:
         self.releasable.clear()
 
     def attach(self) -> None:
-        from serval.runner.layers import Linear
-
         for name, module in self.model.named_modules():
             if isinstance(module, Linear):
                 module.packed = self.complete.get(f"{name}.weight")
