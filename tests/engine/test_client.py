@@ -9,26 +9,16 @@ import threading
 
 import pytest
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.client import EngineClient, EngineDeadError, NewRequest
 from serval.engine.engine import Engine
 from serval.engine.lora import LoraError, UnknownLoraError
 from serval.engine.messages import EngineStats, FailureKind, RequestFailed
 from serval.sampling import SamplingParams
+from tests.engine.test_admission import _engine
 
 PROMPT = list(range(3, 40))  # 37 tokens: three blocks
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ENGINE_THREAD = "serval-engine"
-
-
-def _engine(path: str, **scheduler) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=ModelConfig(model=path, dtype="float32"),
-            cache=CacheConfig(num_blocks=64),
-            scheduler=SchedulerConfig(**scheduler),
-        )
-    )
 
 
 @pytest.fixture

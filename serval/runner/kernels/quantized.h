@@ -15,7 +15,9 @@
 //   kQ8K16  int8 codes, per 256 an fp16 D, per 16 an int8 scale: d = D sc, no m (Q6_K as q - 32)
 // d and m are formed in fp32 exactly as ggml's dequantizers form them, so w is the file's weight bit for bit.
 #pragma once
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "simd.h"
@@ -96,6 +98,35 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
       }
     }
   }
+}
+
+// Rows of x quantized per block of 32 to Code (int16_t: the few-row path; int8_t: --batch-activations
+// int8), each block with scale d = max|x_b| / Code's largest value and its exact sum (the offset term).
+template <typename Code>
+struct QuantizedRows {
+  std::vector<Code> codes;   // (M, K) round(x / d)
+  std::vector<float> scales;  // (M, K / 32) d
+  std::vector<float> sums;    // (M, K / 32) sum of x_b
+};
+
+template <typename Code>
+QuantizedRows<Code> quantize_rows(const float* x, int64_t M, int64_t K) {
+  constexpr float kLevels = static_cast<float>(std::numeric_limits<Code>::max());
+  const int64_t num_blocks = K / kBlock;
+  QuantizedRows<Code> q{std::vector<Code>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
+  for (int64_t i = 0; i < M * num_blocks; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<Code>(std::nearbyint(xb[j] * inv));
+    q.scales[i] = amax / kLevels;
+    q.sums[i] = sum;
+  }
+  return q;
 }
 
 // out[m, 16 G + n] = sum_k x[m, k] w[16 G + n, k] for every group G and row m, with w dequantized in fp32

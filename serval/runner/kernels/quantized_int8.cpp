@@ -20,29 +20,7 @@ namespace {
 #if defined(__AVX2__)
 constexpr int kPassRows = 4;  // rows of x per pass: 2 int16 sums each plus a chunk's 4 operands fit 16 registers
 
-struct Int8Rows {
-  std::vector<int8_t> codes;  // (M, K) round(x / d)
-  std::vector<float> scales;  // (M, K / 32) d = max|x_b| / 127
-  std::vector<float> sums;    // (M, K / 32) sum of x_b, exact
-};
-
-Int8Rows quantize_int8(const float* x, int64_t M, int64_t K) {
-  const int64_t num_blocks = K / kBlock;
-  Int8Rows q{std::vector<int8_t>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
-  for (int64_t i = 0; i < M * num_blocks; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.0f, sum = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-    q.scales[i] = amax / 127.0f;
-    q.sums[i] = sum;
-  }
-  return q;
-}
+using Int8Rows = QuantizedRows<int8_t>;
 
 inline __m256i broadcast_pair(const int8_t* p) {
   int16_t v;
@@ -104,7 +82,7 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
                  int64_t out_stride) {
   static_assert(Traits<L>::kFourBit && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
-  const Int8Rows xq = quantize_int8(x, M, K);
+  const Int8Rows xq = quantize_rows<int8_t>(x, M, K);
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kGroup);
     for (int64_t G = begin; G < end; ++G) {

@@ -34,29 +34,7 @@ constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay 
 // this 8 KB 24-26 GB/s (2 KB: 21, 4 KB: 24, 16 KB: 25; scales and offsets prefetched too: no better).
 constexpr int64_t kPrefetchBytes = 8192;
 
-struct QuantizedRows {
-  std::vector<int16_t> codes;  // (M, K) round(x / d)
-  std::vector<float> scales;   // (M, K / 32) d = max|x_b| / 32767
-  std::vector<float> sums;     // (M, K / 32) sum of x_b, exact
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t num_blocks = K / kBlock;
-  QuantizedRows q{std::vector<int16_t>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
-  for (int64_t i = 0; i < M * num_blocks; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.0f, sum = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<int16_t>(std::nearbyint(xb[j] * inv));
-    q.scales[i] = amax / 32767.0f;
-    q.sums[i] = sum;
-  }
-  return q;
-}
+using Int16Rows = QuantizedRows<int16_t>;
 
 #if defined(__AVX512VNNI__)
 inline __m512i broadcast_pair(const int16_t* p) {
@@ -73,7 +51,7 @@ inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
 // waits ~5 cycles per instruction: with a single chain a batch-1 decode ran at a quarter of the unit's rate,
 // far below memory speed.
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   constexpr int kOperands = T::kFourBit ? 4 : 2;  // per chunk
@@ -128,7 +106,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float
 // a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
 // rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   constexpr int kOperands = T::kFourBit ? 4 : 2;  // weight pairs per chunk
@@ -189,7 +167,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float
 #else
 // Portable: the same integer sums, one block unpacked at a time (the compiler vectorizes over the 16 rows).
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   const uint8_t* codes = w.codes + G * w.group_bytes;
@@ -215,7 +193,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const QuantizedRows& xq, float
 }
 #endif
 
-using GroupRows = void (*)(const PackedMatrix&, int64_t, const QuantizedRows&, float*, int64_t);
+using GroupRows = void (*)(const PackedMatrix&, int64_t, const Int16Rows&, float*, int64_t);
 
 template <Layout L>
 GroupRows group_rows_for(int64_t rows) {
@@ -314,7 +292,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   } else if (M > kMaxRows) {
     matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else {
-    const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
+    const Int16Rows xq = quantize_rows<int16_t>(xf.data_ptr<float>(), M, K);
     const GroupRows run = group_rows_for(layout, M);
     // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
     parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
