@@ -25,6 +25,7 @@ from serval.serving.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     ServerBusyError,
+    ServingError,
     ShuttingDownError,
 )
 
@@ -86,7 +87,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def from_serving(error: Exception) -> APIError:
-    """The APIError for an exception raised below the HTTP layer."""
+    """The APIError for an exception raised below the HTTP layer: each ServingError's status, once."""
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), error.param, "invalid_value")
     if isinstance(error, ModelNotFoundError):
@@ -165,16 +166,12 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         return error_response(APIError(error.status_code, message, headers=error.headers))
 
-    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:  # a ServingError too
         return error_response(from_serving(error))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(InvalidRequestError, on_unexpected)
-    app.add_exception_handler(ServerBusyError, on_unexpected)
-    app.add_exception_handler(ShuttingDownError, on_unexpected)
-    app.add_exception_handler(ModelNotFoundError, on_unexpected)
-    app.add_exception_handler(ConflictError, on_unexpected)
+    app.add_exception_handler(ServingError, on_unexpected)
     app.add_exception_handler(Exception, on_unexpected)

@@ -5,7 +5,7 @@ stream, n > 1 needs temperature > 0, ...; tools, tool_choice and response_format
 the rules that need the served model (a message role its template accepts, logit_bias ids inside its
 vocabulary), and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search,
 code interpreter, audio output; beam search's own rules are in beam_rules.py). Every refusal is an APIError
-naming the parameter. Also where a cache_control marker (explicit prompt caching) ends the prefix to pin.
+naming the parameter. Also the cache_control spans (explicit prompt caching): which stretches of message text to pin.
 Single-field ranges are in openai.py's schemas; docs/api.md lists each with the spec it comes from.
 """
 
@@ -28,6 +28,7 @@ from serval.api.openai import (
     SamplingFields,
 )
 from serval.sampling import MAX_LOGIT_BIAS, SamplingParams
+from serval.serving.client_text import CacheSpan
 from serval.serving.template_roles import STANDARD_ROLES
 
 MEDIA_PART_TYPES = frozenset(
@@ -75,30 +76,31 @@ def _content_text(message: ChatMessage, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def cache_point(messages: list[ChatMessage]) -> tuple[int, int] | None:
-    """(message index, characters of its template text) where the last cache_control part ends, or None.
+def cache_spans(messages: list[ChatMessage]) -> tuple[CacheSpan, ...]:
+    """The stretches of message text (in the template text _content_text makes) marked cache_control.
 
     Model Studio's explicit cache: `cache_control: {"type": "ephemeral"}` on a content part caches the
-    prompt up to and including that part. Earlier markers are prefixes of the last one, so it alone counts.
+    prompt up to and including that part (earlier marks are prefixes of the last one).
     """
-    point = None
+    spans = []
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
             continue
-        offset = 0
+        end = 0
         for j, part in enumerate(message.content):
             if not isinstance(part, dict):
                 continue  # _content_text names it
-            # Parts are joined with newlines (_content_text): the part ends after its text.
-            offset += (1 if j else 0) + len(part.get("text") or "")
+            # Parts are joined with newlines (_content_text): the part starts after the one before it.
+            start = end + (1 if j else 0)
+            end = start + len(part.get("text") or "")
             if "cache_control" not in part:
                 continue
             control = part["cache_control"]
             param = f"messages[{i}].content[{j}].cache_control"
             if not isinstance(control, dict) or control.get("type") != "ephemeral":
                 raise invalid(f'{param} must be {{"type": "ephemeral"}}', param)
-            point = (i, offset)
-    return point
+            spans.append(CacheSpan(i, start, end, control["type"]))
+    return tuple(spans)
 
 
 def _arguments_problem(value: Any) -> str | None:

@@ -52,13 +52,17 @@ Event = RequestOutput | RequestFailed
 
 class RequestStream:
     """The events of one admitted request, read on the event loop: iterate it once for its RequestOutputs; a
-    RequestFailed ends it by raising its error. close() aborts the request unless it finished; it never
-    awaits (safe in a cancelled scope) and may be called again."""
+    RequestFailed ends it by raising its error. Or, when several requests share one queue (add_requests'
+    `shared_queue`), read that queue and pass each of this request's events to note(). close() aborts the request
+    unless it finished; it never awaits (safe in a cancelled scope) and may be called again."""
 
-    def __init__(self, client: EngineClient, request_id: str) -> None:
+    def __init__(
+        self, client: EngineClient, request_id: str, shared_queue: asyncio.Queue | None = None
+    ) -> None:
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()  # this request's own, filled by the engine thread
+        # Filled by the engine thread: this request's own, or one shared by the requests of one API request.
+        self.queue: asyncio.Queue[Event] = asyncio.Queue() if shared_queue is None else shared_queue
         self.is_finished = False
         self._client = client
         self._is_closed = False
@@ -75,6 +79,10 @@ class RequestStream:
                         yield output
         finally:
             self.close()
+
+    def note(self, event: Event) -> None:
+        """A reader of a shared queue saw `event` of this request: a failure or a last output ends it."""
+        self.is_finished = self.is_finished or isinstance(event, RequestFailed) or event.finished
 
     def close(self) -> None:
         if self._is_closed:
@@ -139,10 +147,15 @@ class EngineClient:
 
     # ---- event-loop side
 
-    def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+    def add_requests(
+        self, requests: list[NewRequest], shared_queue: asyncio.Queue | None = None
+    ) -> list[RequestStream]:
         """Admit all of `requests` or none. Raises before anything is queued: ValueError (a prompt the
         context can't hold, a request id in use, more requests than the queue could ever hold),
-        UnknownLoraError, QueueFullError (the waiting queue has no room for all of them), EngineDeadError."""
+        UnknownLoraError, QueueFullError (the waiting queue has no room for all of them), EngineDeadError.
+
+        shared_queue: one queue for the events of all of them (each carries its request_id), so a reader of several
+        sequences waits on one queue instead of one per sequence; None: a queue per stream."""
         if self._stopped:  # checked again under the lock, as the command is queued
             raise EngineDeadError("the engine has stopped")
         for request in requests:
@@ -159,7 +172,7 @@ class EngineClient:
             raise ValueError(
                 f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
             )
-        streams = [RequestStream(self, request_id) for request_id in ids]
+        streams = [RequestStream(self, request_id, shared_queue) for request_id in ids]
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine has stopped")

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from serval.serving.client_text import CacheSpan
 from serval.serving.reasoning import THINK_END, THINK_START
 from serval.serving.structured import MAX_WHITESPACE
 from serval.serving.tool_calls import Tool, ToolCallFormat, ToolChoice
@@ -30,6 +31,17 @@ class ResponseFormat:
     type: Literal["text", "json_object", "json_schema"] = "text"
     schema: dict[str, Any] | bool | None = None  # json_schema only
     strict: bool = False
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt side, validated by the API layer: what the chat template renders."""
+
+    messages: list[dict[str, Any]]  # {"role", "content": str, ...}, in the template's terms
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not answered
+    template_kwargs: dict[str, Any] | None = None
+    cache_spans: tuple[CacheSpan, ...] = ()  # cache_control stretches of message text (explicit caching)
 
 
 @dataclass(frozen=True)
@@ -61,21 +73,39 @@ def prepare_messages(
     options: ChatOptions,
     tool_format: ToolCallFormat,
     template_source: str | None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages for the template, the `tools` variable). Without template support for tools, the tools go
-    into a system prompt and past calls and results into plain text the model can read."""
-    messages = [_with_reasoning(m) if options.preserve_thinking else m for m in messages]
+    cache_spans: tuple[CacheSpan, ...] = (),
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, tuple[CacheSpan, ...]]:
+    """(messages for the template, the `tools` variable, the cache spans moved with their text). Without
+    template support for tools, the tools go into a system prompt and past calls and results into plain text
+    the model can read."""
+    # Each rewrite only puts text before a message's own (or after it): a span moves by that many characters.
+    shifts = [0] * len(messages)
+    if options.preserve_thinking:
+        rewritten = [_with_reasoning(m) for m in messages]
+        shifts = [s + len(new.get("content") or "") - len(old.get("content") or "")
+                  for s, old, new in zip(shifts, messages, rewritten)]  # fmt: skip
+        messages = rewritten
     if template_uses_tools(template_source):
         tools = [t.as_openai() for t in options.tools] if options.uses_tools else None
-        return messages, tools
-    result = [_plain_history(m, tool_format) for m in messages]
+        return messages, tools, _moved(cache_spans, shifts, 0)
+    result = []
+    for i, message in enumerate(messages):
+        plain, num_before = _plain_history(message, tool_format)
+        shifts[i] += num_before
+        result.append(plain)
+    first = 0
     if options.uses_tools:
         prompt = tool_format.system_prompt(list(options.tools))
         if result and result[0]["role"] == "system":
             result[0] = {**result[0], "content": f"{result[0]['content']}\n\n{prompt}"}
         else:
             result.insert(0, {"role": "system", "content": prompt})
-    return result, None
+            first = 1
+    return result, None, _moved(cache_spans, shifts, first)
+
+
+def _moved(spans: tuple[CacheSpan, ...], shifts: list[int], first: int) -> tuple[CacheSpan, ...]:
+    return tuple(span.shifted(span.message_index + first, shifts[span.message_index]) for span in spans)
 
 
 def _with_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -87,12 +117,17 @@ def _with_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "content": f"{THINK_START}\n{reasoning}\n{THINK_END}\n\n{message.get('content') or ''}"}
 
 
-def _plain_history(message: dict[str, Any], tool_format: ToolCallFormat) -> dict[str, Any]:
+def _plain_history(message: dict[str, Any], tool_format: ToolCallFormat) -> tuple[dict[str, Any], int]:
+    """The message in plain text, and how many characters now come before its own text."""
     if message.get("role") == "tool":
-        return {"role": "user", "content": TOOL_RESPONSE.replace("{content}", message.get("content") or "")}
+        before = TOOL_RESPONSE.index("{content}")
+        return {
+            "role": "user",
+            "content": TOOL_RESPONSE.replace("{content}", message.get("content") or ""),
+        }, before
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
-        return message
+        return message, 0
     texts = [message.get("content") or ""]
     for call in calls:
         function = call["function"]
@@ -101,7 +136,7 @@ def _plain_history(message: dict[str, Any], tool_format: ToolCallFormat) -> dict
         begin = tool_format.call_begin.replace("{name}", json.dumps(function["name"])[1:-1])
         texts.append(begin + arguments + tool_format.call_end)
     content = tool_format.separator.join(t for t in texts if t)
-    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}, 0
 
 
 def strict_schema(schema: Any) -> Any:

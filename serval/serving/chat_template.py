@@ -8,8 +8,9 @@ string is split at the placeholders (serving/client_text.py), and the caller enc
 special-token parsing and client segments without it. Otherwise a user typing "<|im_end|>" could close their
 own turn, or a tool description could open a system turn.
 
-A client text may also hold a cache marker (explicit prompt caching, placed by the frontend): the text is
-split there into two client segments, the first flagged, so the caller knows where the pinned prefix ends.
+Explicit prompt caching: the caller passes cache spans (message index, character span) beside the messages;
+the message text the last span ends in is split there into two client segments, the first flagged, so the
+caller knows at which token the pinned prefix ends. No marker is ever put into the text.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serval.serving.client_text import ClientTexts, Segment, SpecialTexts, escape_placeholders
+from serval.serving.client_text import CacheSpan, ClientTexts, Segment, SpecialTexts, escape_placeholders
 
 # Names the renderer sets itself; chat_template_kwargs cannot replace them.
 RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -83,19 +84,24 @@ class ChatTemplate:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-        cache_marker: str | None = None,
+        cache_spans: tuple[CacheSpan, ...] = (),
     ) -> list[Segment]:
         """Render `messages` (dicts with a string "content") into segments; every client string in
         `messages`, `tools` and the values of `template_kwargs` comes back as client segments.
 
         continue_final_message: the last message is an assistant turn to be continued, so the rendered text is
         cut right after its content (dropping the end-of-turn marks the template adds).
-        cache_marker: a string inside one message's text where the explicit-cache prefix ends; removed.
+        cache_spans: stretches of message text marked for the explicit cache; the prefix ends with the last.
         """
         # NOTE: a template that inspects a masked text itself (e.g. splits content at "</think>") sees the
         # placeholder instead. That trade buys the guarantee above.
         client = ClientTexts(self.special)
-        masked = [client.mask_message(message) for message in messages]
+        # Earlier spans end inside the last one's prefix: the last alone says where the pinned prefix ends.
+        cut = max(cache_spans, key=lambda span: (span.message_index, span.end), default=None)
+        masked = [
+            client.mask_message(message, cut.end if cut is not None and cut.message_index == i else None)
+            for i, message in enumerate(messages)
+        ]
         context = {k: client.value(v) for k, v in (template_kwargs or {}).items() if k not in RESERVED_NAMES}
         try:
             rendered = self.template.render(
@@ -115,7 +121,7 @@ class ChatTemplate:
         if continue_final_message:
             rendered = self._cut_after_final(rendered, client, masked[-1].get("content") if masked else None)
         try:
-            return client.split(rendered, cache_marker)
+            return client.split(rendered)
         except ValueError as e:
             raise ChatTemplateError(str(e)) from e
 

@@ -32,6 +32,21 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
 @dataclass(frozen=True)
+class CacheSpan:
+    """A stretch of one message's text marked `cache_control` (explicit prompt caching): the prompt up to the
+    end of the last such stretch is pinned. Carried beside the messages, never inside their text."""
+
+    message_index: int
+    start: int  # characters into the message's text (its "content")
+    end: int
+    option: str = "ephemeral"
+
+    def shifted(self, message_index: int, num_chars: int) -> CacheSpan:
+        """The same stretch after a rewrite moved its message and put num_chars of text before it."""
+        return CacheSpan(message_index, self.start + num_chars, self.end + num_chars, self.option)
+
+
+@dataclass(frozen=True)
 class Segment:
     text: str
     is_client_text: bool  # True: encode as plain text, never as special tokens
@@ -89,6 +104,8 @@ class ClientTexts:
         self.nonce = secrets.token_hex(8)
         self.pattern = re.compile(f"SERVAL{self.nonce}([JA]*)N(\\d+)E")
         self.texts: list[str] = []
+        # (index of a masked text, characters into it) where the explicit-cache prefix ends, or None.
+        self.cache_cut: tuple[int, int] | None = None
 
     def placeholder(self, text: str) -> str:
         self.texts.append(text)
@@ -128,32 +145,42 @@ class ClientTexts:
             return self.text(value, is_name=True)
         return self.value(value)
 
-    def mask_message(self, message: dict[str, Any]) -> dict[str, Any]:
+    def mask_message(self, message: dict[str, Any], cache_end: int | None = None) -> dict[str, Any]:
+        """cache_end: characters into this message's content where the explicit-cache prefix ends."""
         # NOTE: content is always a placeholder, even when harmless: the frontend finds the turns (the cache
         # prefix's end, where the answer starts, the final message to continue) by its client segments.
         masked = {key: self._field(key, value) for key, value in message.items() if key != "content"}
         content = message.get("content")
-        masked["content"] = self.placeholder(content) if isinstance(content, str) and content else content
+        if isinstance(content, str) and content:
+            masked["content"] = self.placeholder(content)
+            if cache_end is not None:
+                self.cache_cut = (len(self.texts) - 1, cache_end)
+        else:
+            masked["content"] = content
         return {key: masked[key] for key in message}
 
-    def split(self, rendered: str, cache_marker: str | None = None) -> list[Segment]:
+    def split(self, rendered: str) -> list[Segment]:
         """The rendered string as template and client segments, each placeholder replaced by its text (escaped
-        as the template's `tojson` calls escaped it); a cache marker splits its text in two."""
+        as the template's `tojson` calls escaped it); the text the cache prefix ends in is split in two."""
         segments: list[Segment] = []
         position = 0
         for match in self.pattern.finditer(rendered):
             if match.start() > position:
                 segments.append(self._template_segment(rendered[position : match.start()]))
-            text = self.texts[int(match.group(2))]
-            for letter in match.group(1):
-                text = json.dumps(text, ensure_ascii=letter == "A")[1:-1]
-            if cache_marker and cache_marker in text:
+            index = int(match.group(2))
+            pieces = [self.texts[index]]
+            if self.cache_cut is not None and self.cache_cut[0] == index:
                 # NOTE: the two halves are encoded apart, so the prefix's tokens do not depend on what follows
                 # it: a later request with the same prefix and another continuation finds the same blocks.
-                head, text = text.split(cache_marker, 1)
-                segments.append(Segment(head, is_client_text=True, ends_cache_prefix=True))
-            if text:
-                segments.append(Segment(text, is_client_text=True))
+                cut = self.cache_cut[1]
+                pieces = [pieces[0][:cut], pieces[0][cut:]]
+            for k, text in enumerate(pieces):
+                for letter in match.group(1):  # escaping is per character, so the halves escape apart
+                    text = json.dumps(text, ensure_ascii=letter == "A")[1:-1]
+                if k == 0 and len(pieces) == 2:
+                    segments.append(Segment(text, is_client_text=True, ends_cache_prefix=True))
+                elif text:
+                    segments.append(Segment(text, is_client_text=True))
             position = match.end()
         if position < len(rendered):
             segments.append(self._template_segment(rendered[position:]))

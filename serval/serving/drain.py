@@ -19,7 +19,7 @@ from serval.serving.errors import ShuttingDownError
 
 logger = logging.getLogger(__name__)
 
-# Put on a generation's queue (whose entries are otherwise (choice index, output) pairs): end it now.
+# Put on a generation's queue (whose entries are otherwise the engine's events for it): end it now.
 CUT_OFF = (-1, "cut off")
 
 

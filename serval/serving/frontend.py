@@ -1,42 +1,34 @@
-"""Frontend: the text side of a request: messages -> prompt ids -> engine requests -> text events.
+"""Frontend: the text side of the server: a parsed API request -> GenerationRequest -> events and a Completion.
 
-Owns what the engine does not: the chat template and tokenization, the prompt-length rules (context length,
-MindIE's maxInputTokenLen and maxIterTimes), fanning one request out into n (or best_of) engine requests per
-prompt (at most --max-seqs-per-request in all, admitted together or not at all) and merging their deltas,
-stop strings (an engine request is aborted at its stop string), the request deadline and a shutdown's grace
-period (serving/drain.py), and choosing the best n of best_of. For chat it also plans the answer's shape
-(serving/chat.py): tools in the prompt, the grammar compiled before submission, one constraint per engine
-request, and the reasoning and tool-call parsers of each choice. The HTTP layer above only validates and
-frames.
+Owns what the engine does not, for the server: the chat template and tokenization (off the event loop for long
+text), the answer's shape for chat (serving/chat.py: tools in the prompt, the grammar compiled before
+submission, the reasoning and tool-call parsers), building each API request's GenerationRequest
+(serving/generation.py: prompt rules, fan-out, stop strings, best_of), and running it on the event loop:
+admitting its engine requests together, reading their outputs from one queue, the request deadline and a
+shutdown's grace period (serving/drain.py). The HTTP layer above only parses, authenticates and frames.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from serval.engine.client import EngineClient, EngineStats, NewRequest, RequestStream, RunnerInfo
+from serval.engine.client import EngineClient, EngineStats, RunnerInfo
+from serval.engine.messages import RequestFailed
 from serval.sampling import SamplingParams
-from serval.serving.chat import ChatOptions, grammar_spec, prepare_messages, template_thinks
-from serval.serving.chat_template import ChatTemplate, ChatTemplateError, Segment
-from serval.serving.choices import (
-    SequencePlan,
-    beam_choice_output,
-    check_num_sequences,
-    keep_best,
-    plan_sequences,
-    usage_of,
-)
+from serval.serving.chat import ChatOptions, ChatPrompt, grammar_spec, prepare_messages, template_thinks
+from serval.serving.chat_template import ChatTemplate, ChatTemplateError
+from serval.serving.client_text import CacheSpan, Segment
 from serval.serving.drain import CUT_OFF, Drain
-from serval.serving.errors import InvalidRequestError, from_engine
+from serval.serving.errors import InvalidRequestError, from_engine, from_failure
+from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
 from serval.serving.lora import LoraAdapters
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
-from serval.serving.stream import ChoiceStream, Completion, Event, fold
+from serval.serving.stream import Completion, Event, fold
 from serval.serving.structured import GrammarCompiler
 from serval.serving.text_threads import TextThreads, num_message_chars
 from serval.serving.tool_calls import format_for_template
@@ -58,8 +50,7 @@ class Frontend:
         grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.engine = engine
-        # Most sequences (prompts x max(n, best_of)) one request may ask for; None: only the queue bounds it.
-        self.max_seqs_per_request = max_seqs_per_request
+        self.rules = PromptRules(engine.max_model_len, max_input_tokens, max_iter_times, max_seqs_per_request)
         self.tokenizer = tokenizer
         source = chat_template or tokenizer.chat_template
         self.template_source = source
@@ -68,8 +59,6 @@ class Frontend:
             if source is not None
             else None
         )
-        self.max_input_tokens = max_input_tokens
-        self.max_iter_times = max_iter_times
         self.tool_format = format_for_template(source, tool_call_format)
         # xgrammar is imported, and its worker processes started, on the first structured request.
         self.grammars = GrammarCompiler(tokenizer, grammar_limits)
@@ -88,6 +77,62 @@ class Frontend:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    # ---- requests
+
+    async def chat_request(
+        self,
+        request_id: str,
+        prompt: ChatPrompt,
+        options: ChatOptions,
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ) -> GenerationRequest:
+        """A chat request, rendered, tokenized, its grammar compiled and its sequences planned; raises a
+        ServingError (a 4xx) before anything reaches the engine."""
+        self.check_num_sequences(1, params, "messages")  # before the template and a grammar compile
+        token_ids, plan, num_pinned = await self.prepare_chat(prompt, options)
+        return self.new_request(
+            request_id, [token_ids], params, output_plan=plan, num_pinned_prompt_tokens=num_pinned,
+            lora_name=lora_name,
+        )  # fmt: skip
+
+    async def completion_request(
+        self,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        lora_name: str | None = None,
+        echo: bool = False,
+    ) -> GenerationRequest:
+        """A completions request: text prompts tokenized, token prompts checked, sequences planned."""
+        self.check_num_sequences(len(prompts), params, "prompt")  # before tokenizing thousands of prompts
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                self.check_token_ids(prompt, "prompt")
+        encoded = iter(await self.encode_prompts([p for p in prompts if isinstance(p, str)]))
+        token_ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        echoes = [p if isinstance(p, str) else self.decode(p) for p in prompts] if echo else None
+        return self.new_request(request_id, token_ids, params, "prompt", lora_name=lora_name, echoes=echoes)
+
+    def new_request(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        param: str = "messages",
+        *,
+        return_logprobs: bool | None = None,
+        output_plan: OutputPlan | None = None,
+        num_pinned_prompt_tokens: int = 0,
+        lora_name: str | None = None,
+        echoes: list[str] | None = None,
+    ) -> GenerationRequest:
+        return GenerationRequest(
+            request_id, prompts, params, self.rules, self.tokenizer, param=param,
+            return_logprobs=return_logprobs, output_plan=output_plan,
+            num_pinned_prompt_tokens=num_pinned_prompt_tokens, lora_name=lora_name, echoes=echoes,
+        )  # fmt: skip
+
     # ---- prompts
 
     def render_chat(
@@ -104,34 +149,19 @@ class Frontend:
         return self._encode(segments)[0]
 
     async def prepare_chat(
-        self,
-        messages: list[dict[str, Any]],
-        options: ChatOptions,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        cache_point: tuple[int, int] | None = None,
+        self, prompt: ChatPrompt, options: ChatOptions
     ) -> tuple[list[int], OutputPlan, int]:
         """The prompt ids, the answer's OutputPlan (its grammar compiled here: a 400 if it can't be) and how
-        many leading prompt tokens to pin in the explicit cache.
-
-        cache_point: (message index, characters of its text) where the cache_control prefix ends, or None.
-        """
-        marker = None
-        if cache_point is not None:
-            # A marker no client text can contain rides in the text through the tool and reasoning rewrites
-            # (which prepend and wrap) to the renderer, which splits the segments there.
-            index, offset = cache_point
-            marker = f"SERVALCACHE{secrets.token_hex(8)}E"
-            text = messages[index]["content"]
-            messages = list(messages)
-            messages[index] = {**messages[index], "content": text[:offset] + marker + text[offset:]}
-        messages, tools = prepare_messages(messages, options, self.tool_format, self.template_source)
+        many leading prompt tokens to pin in the explicit cache (the end of the last cache span)."""
+        messages, tools, spans = prepare_messages(
+            prompt.messages, options, self.tool_format, self.template_source, prompt.cache_spans
+        )
+        continue_final_message = prompt.continue_final_message
         # Rendered and tokenized together, off the event loop when the text is long (serving/text_threads.py).
         segments, (token_ids, num_pinned_tokens) = await self.text_threads.run(
             num_message_chars(messages),
             self._render_and_encode,
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, marker,
+            messages, prompt.add_generation_prompt, continue_final_message, tools, prompt.template_kwargs, spans,
         )  # fmt: skip
         thinks = template_thinks(self.template_source)
         starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
@@ -175,7 +205,7 @@ class Frontend:
         continue_final_message: bool,
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
-        cache_marker: str | None = None,
+        cache_spans: tuple[CacheSpan, ...] = (),
     ) -> list[Segment]:
         if self.chat_template is None:
             raise InvalidRequestError(
@@ -184,7 +214,7 @@ class Frontend:
             )
         try:
             segments = self.chat_template.render(
-                messages, add_generation_prompt, continue_final_message, tools, template_kwargs, cache_marker
+                messages, add_generation_prompt, continue_final_message, tools, template_kwargs, cache_spans
             )
         except ChatTemplateError as e:
             raise InvalidRequestError(str(e), "messages") from e
@@ -218,38 +248,80 @@ class Frontend:
     def resolve_max_tokens(
         self, num_prompt_tokens: int, requested: int | None, param: str = "messages"
     ) -> int:
-        """The max_tokens in force: the request's, capped by maxIterTimes and by the room the context leaves
-        (the generation then ends with finish_reason "length", as MindIE does)."""
-        limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty", param)
-        if self.max_input_tokens is not None and num_prompt_tokens > self.max_input_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens, more than the {self.max_input_tokens} this "
-                "deployment accepts (maxInputTokenLen)",
-                param,
-            )
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens; at most {limit - 1} leave room for an answer",
-                param,
-            )
-        caps = [limit - num_prompt_tokens, requested, self.max_iter_times]
-        return min(cap for cap in caps if cap is not None)
-
-    # ---- generation
-
-    def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[SequencePlan]:
-        """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
-        self.check_num_sequences(len(prompts), params, param)
-        return plan_sequences(
-            prompts, params, lambda prompt: self.resolve_max_tokens(len(prompt), params.max_tokens, param)
-        )
+        return self.rules.resolve_max_tokens(num_prompt_tokens, requested, param)
 
     def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
-        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences)."""
-        check_num_sequences(num_prompts, params, self.max_seqs_per_request, param)
+        self.rules.check_num_sequences(num_prompts, params, param)
+
+    # ---- running a request
+
+    async def events(
+        self,
+        request: GenerationRequest,
+        timeout: float | None = None,
+        observe: Callable[[Event], None] | None = None,
+    ) -> AsyncIterator[Event]:
+        """ChoiceDeltas of all of the request's choices as they come (interleaved), then one Usage; each is
+        passed to `observe` first (the API's metrics). Closing the iterator aborts every engine request
+        still running.
+
+        Every sequence is admitted or none: a refusal (ServerBusyError for a full queue, ModelNotFoundError
+        for an adapter unloaded meanwhile, ...) is raised at the first event, before anything reaches the
+        engine. The request timeout and the end of a shutdown's grace period (serving/drain.py) cut every
+        choice off with what it has."""
+        # One queue for every engine request of this request (the engine thread fills it); a refusal on the
+        # engine thread arrives on it as a RequestFailed, raised once here as a ServingError.
+        queue: asyncio.Queue = asyncio.Queue()
+        self.drain.register(queue)  # ShuttingDownError once the grace period is over
+        try:
+            streams = self.engine.add_requests(request.new_requests, queue)
+        except Exception as e:  # translated once, for the HTTP layer
+            self.drain.unregister(queue)
+            raise from_engine(e) from e
+        stream_of = {stream.request_id: stream for stream in streams}
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            while not request.is_finished:
+                try:
+                    remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                    event = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    event = CUT_OFF
+                if event is CUT_OFF:
+                    deltas = request.cut_off()
+                else:
+                    stream = stream_of[event.request_id]
+                    stream.note(event)
+                    if isinstance(event, RequestFailed):
+                        raise from_failure(event)
+                    deltas, is_cut_short = request.feed(event)
+                    if is_cut_short:
+                        stream.close()  # a stop string matched: abort the engine request
+                for delta in deltas:
+                    if observe is not None:
+                        observe(delta)
+                    yield delta
+            usage = request.usage()
+            if observe is not None:
+                observe(usage)
+            yield usage
+        finally:
+            # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
+            # cancelled again. Closing a stream aborts its engine request unless it finished.
+            self.drain.unregister(queue)
+            for stream in streams:
+                stream.close()
+
+    async def result(
+        self,
+        request: GenerationRequest,
+        timeout: float | None = None,
+        observe: Callable[[Event], None] | None = None,
+    ) -> Completion:
+        """The non-streaming result: the fold of `events`, keeping the best n of best_of per prompt."""
+        async with contextlib.aclosing(self.events(request, timeout, observe)) as events:
+            return request.select(await fold(events))
 
     async def generate(
         self,
@@ -263,72 +335,14 @@ class Frontend:
         num_pinned_prompt_tokens: int = 0,
         lora_name: str | None = None,
     ) -> AsyncIterator[Event]:
-        """ChoiceDeltas of all sequences as they come (interleaved), then one Usage. Closing the iterator
-        aborts every engine request still running. num_pinned_prompt_tokens: the leading tokens of every
-        prompt to pin in the explicit cache (cache_control). lora_name: the LoRA adapter to generate with
-        (ModelNotFoundError if it is not loaded); None: the base model.
-
-        Every sequence is admitted or none: a refusal (ServerBusyError for a full queue, ...) is raised at the
-        first event, before anything reaches the engine. The request timeout and the end of a shutdown's grace
-        period (serving/drain.py) cut every choice off with what it has."""
-        sequences = self.plan(prompts, params, param)
-        streams = [
-            ChoiceStream(s.index + k, self.tokenizer, s.params, return_logprobs, output_plan)
-            for s in sequences
-            for k in range(s.num_choices)
-        ]
-        new_requests = [
-            self._new_request(request_id, s, output_plan, num_pinned_prompt_tokens, lora_name)
-            for s in sequences
-        ]
-        queue: asyncio.Queue = asyncio.Queue()
-        self.drain.register(queue)  # ShuttingDownError once the grace period is over
-        try:
-            outputs = self.engine.add_requests(new_requests)
-        except Exception as e:  # translated for the HTTP layer
-            self.drain.unregister(queue)
-            raise from_engine(e) from e
-        tasks = [asyncio.create_task(self._pump(s, o, queue)) for s, o in zip(sequences, outputs)]
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        num_open = len(tasks)
-        try:
-            while num_open:
-                try:
-                    remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                    entry = await asyncio.wait_for(queue.get(), remaining)
-                except TimeoutError:
-                    entry = CUT_OFF
-                if entry is CUT_OFF:
-                    for stream in streams:
-                        if not stream.is_finished:
-                            yield stream.cut_off()
-                    break
-                index, item = entry
-                if item is None:
-                    num_open -= 1
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                stream = streams[index]
-                delta = stream.feed(item)
-                if delta is None:
-                    continue
-                if stream.is_finished and not item.finished:
-                    tasks[index].cancel()  # a stop string matched: abort the engine request
-                yield delta
-            usage = usage_of(prompts, sequences, streams)
-            usage.uses_explicit_cache = num_pinned_prompt_tokens > 0
-            yield usage
-        finally:
-            # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
-            # cancelled again. Closing a stream aborts its engine request unless it finished; a pump that never
-            # ran would not close its own.
-            self.drain.unregister(queue)
-            for task in tasks:
-                task.cancel()
-            for output in outputs:
-                output.close()
+        """`events` of a request of token-id prompts, planned at the first event (tests and tools)."""
+        request = self.new_request(
+            request_id, prompts, params, param, return_logprobs=return_logprobs, output_plan=output_plan,
+            num_pinned_prompt_tokens=num_pinned_prompt_tokens, lora_name=lora_name,
+        )  # fmt: skip
+        async with contextlib.aclosing(self.events(request, timeout)) as events:
+            async for event in events:
+                yield event
 
     async def complete(
         self,
@@ -340,47 +354,11 @@ class Frontend:
         param: str = "messages",
         output_plan: OutputPlan | None = None,
     ) -> Completion:
-        """The non-streaming result: the fold of `generate`, keeping the best n of best_of per prompt."""
-        events = self.generate(request_id, prompts, params, return_logprobs, timeout, param, output_plan)
-        async with contextlib.aclosing(events):
-            return keep_best(await fold(events), params)
-
-    def _new_request(
-        self,
-        request_id: str,
-        sequence: SequencePlan,
-        plan: OutputPlan | None,
-        num_pinned_prompt_tokens: int,
-        lora_name: str | None,
-    ) -> NewRequest:
-        tokenizer = self.tokenizer
-        leader = sequence.leader_index
-        return NewRequest(
-            f"{request_id}-{sequence.index}",
-            sequence.prompt_token_ids,
-            sequence.params,
-            tokenizer.eos_token_ids,
-            constraint=plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size) if plan else None,
-            num_pinned_prompt_tokens=num_pinned_prompt_tokens,
-            share_prompt_with=None if leader is None else f"{request_id}-{leader}",
-            lora_name=lora_name,
+        """`result` of a request of token-id prompts (tests and tools)."""
+        request = self.new_request(
+            request_id, prompts, params, param, return_logprobs=return_logprobs, output_plan=output_plan
         )
-
-    async def _pump(self, sequence: SequencePlan, outputs: RequestStream, queue: asyncio.Queue) -> None:
-        # Moves one engine request's outputs onto the shared queue, errors translated; None marks its end.
-        try:  # NOTE: everything inside, so that whatever fails still ends with the None the caller waits for
-            async for output in outputs:
-                if output.beams is None:
-                    queue.put_nowait((sequence.index, output))
-                    continue
-                # Beam search answers once, at the end ("pseudo streaming"): one finished output per beam.
-                for k, beam in enumerate(output.beams):
-                    queue.put_nowait((sequence.index + k, beam_choice_output(output, beam)))
-        except Exception as e:  # noqa: BLE001 - reported to the client, never a hang
-            queue.put_nowait((sequence.index, from_engine(e)))
-        finally:
-            outputs.close()
-            queue.put_nowait((sequence.index, None))
+        return await self.result(request, timeout)
 
 
 def _tail(segments: list[Segment], continue_final_message: bool) -> str:

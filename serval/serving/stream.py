@@ -26,6 +26,7 @@ class TokenText(Protocol):
 
 @dataclass(frozen=True)
 class TopLogprob:
+    token_id: int
     token: str
     token_bytes: bytes  # the token's raw UTF-8 bytes (may be part of a character)
     logprob: float
@@ -51,6 +52,9 @@ class ChoiceDelta:
     cumulative_logprob: float | None = None
     reasoning_text: str = ""  # new reasoning text (a thinking model's <think> part)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # new tool-call pieces
+    # On the last delta: the stop string that matched or the stop token id that ended it (the offline LLM's
+    # stop_reason); None when a length limit ended it.
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -145,6 +149,10 @@ class ChoiceStream:
             self.finish_reason = output.finish_reason or "stop"
         logprobs = self._logprobs(output)
         parsed = self._parse(text, len(token_ids))
+        stop_reason = None
+        if self.is_finished:
+            matched = self.stop_matcher.matched
+            stop_reason = matched if matched is not None else output.stop_token_id
         return ChoiceDelta(
             index=self.index,
             text=parsed.content,
@@ -154,6 +162,7 @@ class ChoiceStream:
             cumulative_logprob=self.cumulative_logprob if self.is_finished else None,
             reasoning_text=parsed.reasoning,
             tool_calls=parsed.tool_calls,
+            stop_reason=stop_reason,
         )
 
     def cut_off(self) -> ChoiceDelta:
@@ -191,7 +200,7 @@ class ChoiceStream:
             top = []
             for token_id, logprob in item.top:
                 top_token, top_raw = token_text(self.tokenizer, token_id)
-                top.append(TopLogprob(top_token, top_raw, logprob))
+                top.append(TopLogprob(token_id, top_token, top_raw, logprob))
             entries.append(LogprobEntry(item.token_id, token, raw, item.logprob, tuple(top)))
         return entries
 
@@ -206,6 +215,7 @@ class ChoiceResult:
     cumulative_logprob: float | None
     reasoning_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # one per call, arguments complete
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -216,16 +226,31 @@ class Completion:
 
 async def fold(events: AsyncIterator[Event]) -> Completion:
     """The non-streaming response: every event of the stream, concatenated per choice."""
-    choices: dict[int, ChoiceResult] = {}
-    usage = Usage(0, 0, 0)
+    folded = Fold()
     async for event in events:
+        folded.add(event)
+    return folded.result()
+
+
+class Fold:
+    """Events added one by one, concatenated per choice: `fold` on the event loop, the offline LLM in its
+    own thread."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, ChoiceResult] = {}
+        self.usage = Usage(0, 0, 0)
+
+    def result(self) -> Completion:
+        return Completion([self.choices[i] for i in sorted(self.choices)], self.usage)
+
+    def add(self, event: Event) -> None:
         if isinstance(event, Usage):
-            usage = event
-            continue
-        choice = choices.get(event.index)
+            self.usage = event
+            return
+        choice = self.choices.get(event.index)
         if choice is None:
             choice = ChoiceResult(event.index, "", [], None, None, None)
-            choices[event.index] = choice
+            self.choices[event.index] = choice
         choice.text += event.text
         choice.reasoning_text += event.reasoning_text
         for piece in event.tool_calls:
@@ -236,8 +261,9 @@ async def fold(events: AsyncIterator[Event]) -> Completion:
                 call.arguments += piece.arguments
         choice.token_ids.extend(event.token_ids)
         if event.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + event.logprobs
+            choice.logprobs = choice.logprobs if choice.logprobs is not None else []
+            choice.logprobs.extend(event.logprobs)
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
             choice.cumulative_logprob = event.cumulative_logprob
-    return Completion([choices[i] for i in sorted(choices)], usage)
+            choice.stop_reason = event.stop_reason

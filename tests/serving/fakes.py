@@ -71,8 +71,9 @@ class FakeEngine:
             architecture="FakeForCausalLM", weight_format="Q4_1+Q8_0", kernel_variant="avx2", num_threads=3,
         )  # fmt: skip
 
-    def add_requests(self, requests):
-        """As EngineClient.add_requests: every request is checked before any is admitted."""
+    def add_requests(self, requests, shared_queue=None):
+        """As EngineClient.add_requests: every request is checked before any is admitted; with shared_queue
+        every request's outputs go there, else each stream is iterated on its own."""
         from serval.engine.client import QueueFullError
         from serval.engine.lora import UnknownLoraError
 
@@ -86,7 +87,11 @@ class FakeEngine:
         self.num_added += len(requests)
         for request in requests:
             self.lora_names[request.request_id] = request.lora_name
-        return [FakeStream(self, request) for request in requests]
+        streams = [FakeStream(self, request) for request in requests]
+        if shared_queue is not None:
+            for stream in streams:
+                stream.feed(shared_queue)
+        return streams
 
     async def load_lora(self, name, path, base_model_name=None):
         import os
@@ -122,8 +127,23 @@ class FakeStream:
     def __init__(self, engine: FakeEngine, request) -> None:
         self.engine = engine
         self.request = request
+        self.request_id = request.request_id
         self.is_finished = False
         self.is_closed = False
+        self.task = None
+
+    def feed(self, queue) -> None:
+        """Put this request's outputs on `queue` from a task of its own, as the engine thread would."""
+        import asyncio
+
+        async def run():
+            async for output in self:
+                queue.put_nowait(output)
+
+        self.task = asyncio.get_running_loop().create_task(run())
+
+    def note(self, event) -> None:
+        self.is_finished = self.is_finished or event.finished
 
     async def __aiter__(self):
         import asyncio
@@ -170,5 +190,7 @@ class FakeStream:
     def close(self) -> None:
         if not self.is_closed:
             self.is_closed = True
+            if self.task is not None:
+                self.task.cancel()
             if not self.is_finished:
                 self.engine.aborted.append(self.request.request_id)

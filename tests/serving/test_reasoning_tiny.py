@@ -16,7 +16,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.client import EngineClient
 from serval.sampling import SamplingParams
 from serval.server_config import ServerConfig
-from serval.serving.chat import ChatOptions
+from serval.serving.chat import ChatOptions, ChatPrompt
 from serval.serving.frontend import Frontend
 from serval.serving.tokenizer import Tokenizer
 from tests.fixtures.tiny_models import write_tiny_model
@@ -82,10 +82,10 @@ def test_budget_forces_the_end_tag_and_the_split_is_the_same_streamed(app):
     loop, _, tokenizer, frontend = app
     messages = BODY["messages"]
     options = ChatOptions(thinking_budget=BUDGET)
-    prompt, plan, _ = loop.run_until_complete(frontend.prepare_chat(messages, options))
-    assert plan.starts_in_reasoning  # the template opened <think>
     params = SamplingParams(seed=7, max_tokens=24, ignore_eos=True)
-    choice = loop.run_until_complete(frontend.complete("r", [prompt], params, output_plan=plan)).choices[0]
+    request = loop.run_until_complete(frontend.chat_request("r", ChatPrompt(messages), options, params))
+    assert request.output_plan.starts_in_reasoning  # the template opened <think>
+    choice = loop.run_until_complete(frontend.result(request)).choices[0]
     end_ids = tokenizer.encode("\n</think>\n\n")
     assert choice.token_ids[BUDGET : BUDGET + len(end_ids)] == end_ids  # the end tag came right at the budget
     assert choice.reasoning_text == tokenizer.decode(choice.token_ids[:BUDGET]).strip()

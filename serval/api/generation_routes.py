@@ -1,0 +1,181 @@
+"""POST /v1/chat/completions and /v1/completions: parse, hand to serving, frame the answer.
+
+Owns the HTTP side of a generation and nothing else: the body parsed and checked into native values (400 with
+the parameter named), the serving request built by `serving.Frontend` (which prepares, runs it and selects the
+best of best_of), and the result framed as one JSON body or as SSE chunks (api/sse.py). A client that goes
+away cancels its request: the event stream is closed, which aborts its engine requests, whose KV blocks the
+engine frees at its next step. A ServingError is left to the app's one handler (api/errors.py); only a stream
+whose headers are out reports one in-band.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serval.api import requests as req
+from serval.api.body import parse
+from serval.api.chat_options import chat_options
+from serval.api.context import ServerContext
+from serval.api.errors import APIError
+from serval.api.metrics import Metrics
+from serval.api.openai import ChatCompletionRequest, CompletionRequest
+from serval.api.responses import chat_completion, text_completion
+from serval.api.sse import StreamFormat, stream_events, usage_mode
+from serval.serving.chat import ChatPrompt
+from serval.serving.generation import GenerationRequest
+from serval.serving.stream import ChoiceDelta, Completion, Event, Usage
+
+T = TypeVar("T")
+
+STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics do
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (then raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientGone
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+class Observer:
+    """Feeds one request's events into the metrics: time to first token, token counts, latency."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.is_first = True
+
+    def __call__(self, event: Event) -> None:
+        if self.is_first and isinstance(event, ChoiceDelta) and event.token_ids:
+            self.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
+            self.is_first = False
+        elif isinstance(event, Usage):
+            self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
+            self.metrics.generation_tokens.inc(event.num_completion_tokens)
+            self.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
+
+
+async def respond(
+    ctx: ServerContext,
+    request: Request,
+    generation: GenerationRequest,
+    observer: Observer,
+    fmt: StreamFormat,
+    is_stream: bool,
+    build: Callable[[Completion], dict[str, Any]],
+) -> Response:
+    frontend, timeout = ctx.frontend, ctx.config.request_timeout
+    try:
+        if not is_stream:
+            result = frontend.result(generation, timeout, observer)
+            return JSONResponse(build(await until_disconnected(request, result)))
+        events = frontend.events(generation, timeout, observer)
+        try:
+            # The first event comes before the headers, so a full queue or a refused prompt is still a
+            # proper 4xx and not an error inside a 200 stream.
+            first = await until_disconnected(request, anext(events))
+        except ClientGone:
+            raise  # NOTE: no aclose: the cancelled task may still be inside the generator; it closes it
+        except Exception:
+            await events.aclose()
+            raise
+        return StreamingResponse(
+            stream_events(first, events, fmt), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    except ClientGone:
+        # The cancelled task already closed the generation (its engine requests are aborted).
+        return Response(status_code=STATUS_CLIENT_GONE)
+
+
+def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    config, frontend = ctx.config, ctx.frontend
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        observer = Observer(ctx.metrics)
+        chat = parse(ChatCompletionRequest, await ctx.body(request))
+        model = ctx.check_model(chat.model)
+        req.check_chat_features(chat)
+        options = chat_options(chat)
+        is_stream = bool(chat.stream)
+        params = req.chat_sampling_params(chat, is_stream, ctx.vocab_size)
+        frontend.check_num_sequences(1, params, "messages")  # before the messages' checks, as ever
+        messages, continue_final = req.template_messages(
+            chat.messages, chat.continue_final_message, ctx.roles
+        )
+        prompt = ChatPrompt(
+            messages,
+            add_generation_prompt=chat.add_generation_prompt is not False,
+            continue_final_message=continue_final,
+            template_kwargs=req.with_template_kwargs(chat),
+            cache_spans=req.cache_spans(chat.messages),
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        generation = await frontend.chat_request(request_id, prompt, options, params, ctx.lora_of(model))
+        fmt = StreamFormat(
+            request_id, created, model, generation.num_choices, usage_mode(chat.stream_options),
+            config.full_text_enabled,
+        )  # fmt: skip
+        return await respond(
+            ctx, request, generation, observer, fmt, is_stream,
+            lambda result: chat_completion(request_id, created, model, result),
+        )  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        observer = Observer(ctx.metrics)
+        body = parse(CompletionRequest, await ctx.body(request))
+        model = ctx.check_model(body.model)
+        if body.suffix:
+            raise APIError(
+                400,
+                "suffix: insertion (fill in the middle) is not supported",
+                "suffix",
+                "unsupported_parameter",
+            )
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs would need prompt logprobs, which are not computed", "echo"
+            )
+        is_stream = bool(body.stream)
+        params = req.completion_sampling_params(body, is_stream, ctx.vocab_size)
+        prompts = req.completion_prompts(body.prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        generation = await frontend.completion_request(
+            request_id, prompts, params, ctx.lora_of(model), echo=bool(body.echo)
+        )
+        echoes = generation.echoes
+        fmt = StreamFormat(
+            request_id, created, model, generation.num_choices, usage_mode(body.stream_options),
+            config.full_text_enabled, is_chat=False, echoes=echoes,
+        )  # fmt: skip
+        return await respond(
+            ctx, request, generation, observer, fmt, is_stream,
+            lambda result: text_completion(request_id, created, model, result, echoes),
+        )  # fmt: skip
