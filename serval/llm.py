@@ -1,24 +1,26 @@
 """LLM: the offline entry point, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-It drives the Engine in the caller's thread (no server, no event loop) and turns token ids into text with
-the model's tokenizer, through the same incremental detokenizer and stop-string matcher as the server
-(serving/stream.py), and the same fan-out (serving/choices.py): n / best_of sequences that fork the first
-one's prompt blocks, or a beam search. A stop string ends a request at its first match.
+A synchronous driver over the server's own serving code: each prompt becomes a serving GenerationRequest
+(serving/generation.py: the prompt rules and max_tokens resolution, the n / best_of / beam fan-out, the
+incremental detokenizer and stop strings, the best n of best_of), and the Engine runs in the caller's thread
+(no server, no event loop) instead of behind EngineClient. So a prompt gets the same tokens, text, finish
+reason, usage and refusal message here as through the HTTP API.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
-from serval.engine.outputs import RequestOutput, TokenLogprob
+from serval.engine.outputs import TokenLogprob
 from serval.sampling import SamplingParams
-from serval.serving.choices import beam_choice_output, plan_sequences
-from serval.serving.stream import ChoiceStream
+from serval.serving.errors import from_engine
+from serval.serving.generation import GenerationRequest, PromptRules
+from serval.serving.stream import ChoiceResult, Fold, LogprobEntry, Usage
 from serval.serving.tokenizer import Tokenizer
 
 
@@ -41,18 +43,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
-
-
-@dataclass
-class _Choice:
-    index: int
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
-    stream: ChoiceStream | None = None  # detokenizer + stop strings, shared with the server's path
+    usage: Usage | None = None  # the server's usage of the same request (all sequences counted)
 
 
 class LLM:
@@ -92,6 +83,9 @@ class LLM:
         )
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
+        # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
+        # sequence limit): the context alone bounds a prompt and its answer.
+        self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         gc.freeze()  # the model's long-lived objects leave the collector's passes (as in `serval serve`)
 
@@ -101,6 +95,8 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[GenerationOutput]:
+        """One GenerationOutput per prompt. Raises serving's InvalidRequestError (a ValueError, with the
+        message the server answers 400 with) for a prompt it refuses; then nothing is left in the engine."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = (
@@ -108,98 +104,98 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        results, choices = [], {}
+        texts, requests = [], []
         for prompt, params in zip(prompts, params_list):
+            text, prompt_ids = self._prompt_ids(prompt)
+            texts.append(text)
+            # Planned before anything is added: a refused prompt leaves the engine untouched.
+            request_id = str(self._next_id)
             params = params or SamplingParams()
-            prompt_text, prompt_ids = self._prompt_ids(prompt)
-            result = GenerationOutput(str(self._next_id), prompt_text, prompt_ids, [])
-            self._next_id += 1
-            # The server's fan-out: n / best_of sequences forking the first one's prompt, or one beam search.
-            max_tokens = params.max_tokens
-            for seq in plan_sequences([prompt_ids], params, lambda _, cap=max_tokens: cap):
-                engine_id = f"{result.request_id}-{seq.index}"
-                leader = None if seq.leader_index is None else f"{result.request_id}-{seq.leader_index}"
-                eos = self.tokenizer.eos_token_ids
-                self.engine.add_request(engine_id, prompt_ids, seq.params, eos, share_prompt_with=leader)
-                choices[engine_id] = (
-                    result,
-                    [
-                        _Choice(
-                            seq.index + k,
-                            seq.params,
-                            stream=ChoiceStream(seq.index + k, self.tokenizer, seq.params, False),
-                        )
-                        for k in range(seq.num_choices)
-                    ],
+            requests.append(
+                GenerationRequest(
+                    request_id, [prompt_ids], params, self.rules, self.tokenizer, param="prompt"
                 )
-            results.append((result, params))
-        self._run(choices, use_tqdm)
-        for result, choice_list in choices.values():
-            result.outputs.extend(_to_completion(choice) for choice in choice_list)
-        for result, params in results:
-            _keep_best(result, params)
-        return [result for result, _ in results]
+            )
+            self._next_id += 1
+        self._add(requests)
+        try:
+            folds = self._run(requests, use_tqdm)
+        except BaseException:  # a failed step, Ctrl-C: leave nothing running
+            for request in requests:
+                for new in request.new_requests:
+                    self.engine.abort_request(new.request_id)
+            raise
+        return [
+            _generation_output(request, text, fold) for request, text, fold in zip(requests, texts, folds)
+        ]
 
     def _prompt_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return None, list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.add_bos_token)
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)  # as the server's completions
 
-    def _run(self, choices: dict, use_tqdm: bool) -> None:
-        total = sum(len(choice_list) for _, choice_list in choices.values())
+    def _add(self, requests: list[GenerationRequest]) -> None:
+        """Add every engine request of every prompt, or (one refused) none: those added are aborted."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                for new in request.new_requests:
+                    self.engine.add_request(
+                        new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, new.constraint,
+                        new.num_pinned_prompt_tokens, new.share_prompt_with, lora_name=new.lora_name,
+                    )  # fmt: skip
+                    added.append(new.request_id)
+        except Exception as e:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise from_engine(e) from e
+
+    def _run(self, requests: list[GenerationRequest], use_tqdm: bool) -> list[Fold]:
+        """Step the engine until every request is done; each request's events folded as the server folds them."""
+        owner = {new.request_id: i for i, request in enumerate(requests) for new in request.new_requests}
+        folds = [Fold() for _ in requests]
+        total = sum(len(request.choices) for request in requests)
         with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_unfinished_requests() and not all(r.is_finished for r in requests):
                 for output in self.engine.step():
-                    result, choice_list = choices[output.request_id]
-                    result.num_cached_tokens = output.num_cached_tokens
-                    if output.beams is None:
-                        bar.update(self._feed(choice_list[0], output))
-                        continue
-                    for choice, beam in zip(choice_list, output.beams):  # a beam search ends all at once
-                        bar.update(self._feed(choice, beam_choice_output(output, beam)))
-
-    def _feed(self, choice: _Choice, output: RequestOutput) -> int:
-        """Fold one engine output into its choice; 1 when that finished the choice (for the progress bar)."""
-        if output.new_logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + output.new_logprobs
-        choice.token_ids.extend(output.new_token_ids)
-        delta = choice.stream.feed(output)
-        if delta is None:
-            return 0  # ended earlier by a stop string
-        choice.text += delta.text
-        if not choice.stream.is_finished:
-            return 0
-        choice.finish_reason = choice.stream.finish_reason
-        matched = choice.stream.stop_matcher.matched
-        choice.stop_reason = matched if matched is not None else output.stop_token_id
-        if not output.finished:
-            self.engine.abort_request(output.request_id)  # a stop string matched
-        return 1
+                    i = owner[output.request_id]
+                    deltas, is_cut_short = requests[i].feed(output)
+                    if is_cut_short:
+                        self.engine.abort_request(output.request_id)  # a stop string matched
+                    for delta in deltas:
+                        folds[i].add(delta)
+                        bar.update(int(delta.finish_reason is not None))
+        for request, fold in zip(requests, folds):
+            fold.add(request.usage())
+        return folds
 
 
-def _keep_best(result: GenerationOutput, params: SamplingParams) -> None:
-    """best_of > n: keep the n outputs of highest cumulative logprob (re-indexed); logprobs only if asked."""
-    result.outputs.sort(key=lambda c: c.index)
-    if params.use_beam_search or max(params.n, params.best_of or 1) == params.n:
-        return
-    ranked = sorted(result.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
-    for index, output in enumerate(ranked):
-        output.index = index
-        if params.logprobs is None:
-            output.logprobs = None
-    result.outputs = ranked
+def _generation_output(request: GenerationRequest, prompt: str | None, fold: Fold) -> GenerationOutput:
+    completion = request.select(fold.result())
+    usage = completion.usage
+    return GenerationOutput(
+        request.request_id,
+        prompt,
+        request.prompts[0],
+        [_completion_output(choice) for choice in completion.choices],
+        num_cached_tokens=usage.num_cached_tokens,
+        usage=usage,
+    )
 
 
-def _to_completion(choice: _Choice) -> CompletionOutput:
-    cumulative = sum(lp.logprob for lp in choice.logprobs) if choice.logprobs else None
+def _completion_output(choice: ChoiceResult) -> CompletionOutput:
     return CompletionOutput(
         index=choice.index,
         text=choice.text,
         token_ids=choice.token_ids,
-        cumulative_logprob=cumulative,
-        logprobs=choice.logprobs,
+        cumulative_logprob=choice.cumulative_logprob,
+        logprobs=None if choice.logprobs is None else [_token_logprob(entry) for entry in choice.logprobs],
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason,
     )
+
+
+def _token_logprob(entry: LogprobEntry) -> TokenLogprob:
+    return TokenLogprob(entry.token_id, entry.logprob, [(top.token_id, top.logprob) for top in entry.top])
