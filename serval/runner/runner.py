@@ -15,7 +15,7 @@ from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
-from serval.runner.kernels import UNBOUNDED_ROWS, load_cpu_kernels, packed_rows_limit
+from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
@@ -116,9 +116,9 @@ class ModelRunner:
             self.device,
             self.max_model_len,
             pack_low_bit=use_quantized,
-            # Where the packed kernels serve every batch size, the dense copies of packed matrices are dead
+            # The packed kernels serve every batch size, so the dense copies of packed matrices are dead
             # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
-            release_packed_dense=use_quantized and packed_rows_limit(kernels) >= UNBOUNDED_ROWS,
+            release_packed_dense=use_quantized,
             packable_names=checkpoint.packable_names,
             repack=None if kernels is None else kernels.pack_gguf_blocks,
         )

@@ -95,8 +95,6 @@ def _decode_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_formats_match_transformers_dense_and_packed(model_file, kernels, monkeypatch):
-    if kernels.variant == "avx512":
-        pytest.skip("with native bf16, auto computes in bf16 (the bf16 path's own tests bound it)")
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
     monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
     path, reference = model_file
@@ -126,8 +124,6 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
     the logits stay close to the exact path's."""
     from transformers import LlamaConfig
 
-    if kernels.variant == "avx512":
-        pytest.skip("with native bf16, auto computes in bf16 and batches run on the dense bf16 weights")
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
     monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
     path = str(tmp_path / "Q4_0.gguf")

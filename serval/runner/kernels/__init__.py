@@ -120,15 +120,14 @@ UNBOUNDED_ROWS = 2**62
 
 
 def packed_rows_limit(kernels) -> int:
-    """Up to how many rows of x a matmul with packed low-bit weights runs in the quantized kernel.
+    """Up to how many rows of x a matmul with packed low-bit weights runs in the quantized kernel: every row
+    count wherever the kernels are built (none without them).
 
-    With AVX512-BF16 oneDNN's bf16 matmul beats it past 8 rows (docs/benchmarks.md), so larger batches use
-    the model's bf16 weights there; elsewhere PyTorch's bf16 matmul is slow (no native bf16 dot products) and
-    the kernel's dequantized-tile path serves every row count.
+    Past 8 rows the kernel dequantizes a tile at a time (`quantized_tiles.cpp`): in fp32, or with bf16
+    activations on AVX512-BF16 into bf16 pairs for VDPBF16PS, which measured within ~15% of oneDNN's bf16
+    matmul over a dense bf16 copy (docs/benchmarks.md) while the model stays at the file's size.
     """
-    if kernels is None:
-        return 0
-    return 8 if kernels.variant == "avx512" else UNBOUNDED_ROWS
+    return 0 if kernels is None else UNBOUNDED_ROWS
 
 
 def quantized_matmul(kernels, int8_batch_activations: bool):

@@ -7,7 +7,8 @@
 // Up to kMaxRows rows of x (decode) stream W once: each thread takes a run of output rows and keeps the dot
 // products of one W row with every row of x in registers. More rows (prefill, large decode batches) are
 // compute-bound: W is widened a panel of rows at a time into an fp32 buffer bounded in bytes and handed with x
-// to PyTorch's fp32 GEMM, so no dense copy of the matrix ever exists.
+// to PyTorch's fp32 GEMM, so no dense copy of the matrix ever exists. A bf16 model's larger batches stay in
+// bf16 (oneDNN's bf16 GEMM, over the stored BF16 weights or a bounded panel of F16 ones rounded to bf16).
 #include "common.h"
 
 using namespace serval_kernels;
@@ -83,9 +84,22 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   TORCH_CHECK(w.size(0) == N && w.is_contiguous(), "w: (N, K) contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K: a multiple of 32");
+  const bool is_half = w.scalar_type() == torch::kHalf;
+  if (M > kMaxRows && x.scalar_type() == torch::kBFloat16) {
+    // A bf16 model (a CPU with native bf16 products) multiplies in bf16 through oneDNN, as it would over a
+    // dense bf16 copy: BF16 weights as stored, F16 ones rounded to bf16 a bounded panel at a time.
+    if (!is_half) return at::linear(x, w);
+    const int64_t panel = std::min(N, std::max<int64_t>(64, kPanelBytes / (2 * K)));
+    auto out = torch::empty({M, N}, x.options());
+    const auto xb = x.contiguous();
+    for (int64_t n0 = 0; n0 < N; n0 += panel) {
+      const int64_t rows = std::min(panel, N - n0);
+      out.narrow(1, n0, rows).copy_(at::mm(xb, w.narrow(0, n0, rows).to(torch::kBFloat16).t()));
+    }
+    return out;
+  }
   const auto xf = x.to(torch::kFloat).contiguous();
   auto out = torch::empty({M, N}, xf.options());
-  const bool is_half = w.scalar_type() == torch::kHalf;
   if (M == 0) {
     // nothing to compute
   } else if (M <= kMaxRows) {

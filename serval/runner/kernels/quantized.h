@@ -134,6 +134,12 @@ QuantizedRows<Code> quantize_rows(const float* x, int64_t M, int64_t K) {
 void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                               float* out, int64_t out_stride);
 
+// The same with bf16 x and the weights rounded to bf16 in registers (VDPBF16PS), where this build has
+// AVX512-BF16: what a dense bf16 copy of the matrix would compute, without the copy.
+bool has_bf16_tiles();
+void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                       float* out, int64_t out_stride);
+
 // The same with x rounded to int8 per block of 32 (quantized_int8.cpp): twice the products an instruction,
 // where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). Opt-in: --batch-activations int8.
 bool has_int8_rows(Layout layout);

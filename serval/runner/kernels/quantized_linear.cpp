@@ -281,12 +281,17 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const PackedMatrix w{static_cast<const uint8_t*>(codes.data_ptr()), codes.stride(0), scales.data_ptr(),
                        present(offsets) ? offsets.data_ptr() : nullptr,
                        present(super_scales) ? super_scales.data_ptr<at::Half>() : nullptr, K};
-  const auto xf = x.to(torch::kFloat).contiguous();
   // Padded to whole groups; the padding columns are dropped by the narrow below.
-  auto out = torch::empty({M, num_groups * kGroup}, xf.options());
+  auto out = torch::empty({M, num_groups * kGroup}, x.options().dtype(torch::kFloat));
   float* op = out.data_ptr<float>();
+  const bool bf16_products = M > kMaxRows && x.scalar_type() == torch::kBFloat16 && has_bf16_tiles() &&
+                             !(int8_batch_activations && has_int8_rows(layout));
+  const auto xf = M == 0 || bf16_products ? x : x.to(torch::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
+  } else if (bf16_products) {
+    const auto xb = x.contiguous();
+    matmul_bf16_tiles(xb.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
   } else if (M > kMaxRows && int8_batch_activations && has_int8_rows(layout)) {
     matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else if (M > kMaxRows) {
