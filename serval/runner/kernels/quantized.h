@@ -41,6 +41,22 @@ struct Traits {
   using SubScale = std::conditional_t<L == Layout::kQ8K16, int8_t, uint8_t>;
 };
 
+// f(std::integral_constant<Layout, L>{}) for the layout known at run time: the one switch from a matrix's
+// layout to a kernel compiled for it.
+template <typename F>
+decltype(auto) with_layout(Layout layout, F&& f) {
+  switch (layout) {
+    case Layout::kQ4: return f(std::integral_constant<Layout, Layout::kQ4>{});
+    case Layout::kQ4Sym: return f(std::integral_constant<Layout, Layout::kQ4Sym>{});
+    case Layout::kQ8: return f(std::integral_constant<Layout, Layout::kQ8>{});
+    case Layout::kQ8Min: return f(std::integral_constant<Layout, Layout::kQ8Min>{});
+    case Layout::kQ4K: return f(std::integral_constant<Layout, Layout::kQ4K>{});
+    case Layout::kQ8K: return f(std::integral_constant<Layout, Layout::kQ8K>{});
+    case Layout::kQ8K16: break;
+  }
+  return f(std::integral_constant<Layout, Layout::kQ8K16>{});
+}
+
 // One packed matrix, as the kernels read it.
 struct PackedMatrix {
   const uint8_t* codes;

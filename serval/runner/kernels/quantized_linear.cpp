@@ -210,16 +210,7 @@ GroupRows group_rows_for(int64_t rows) {
 }
 
 GroupRows group_rows_for(Layout layout, int64_t rows) {
-  switch (layout) {
-    case Layout::kQ4: return group_rows_for<Layout::kQ4>(rows);
-    case Layout::kQ4Sym: return group_rows_for<Layout::kQ4Sym>(rows);
-    case Layout::kQ8: return group_rows_for<Layout::kQ8>(rows);
-    case Layout::kQ8Min: return group_rows_for<Layout::kQ8Min>(rows);
-    case Layout::kQ4K: return group_rows_for<Layout::kQ4K>(rows);
-    case Layout::kQ8K: return group_rows_for<Layout::kQ8K>(rows);
-    case Layout::kQ8K16: return group_rows_for<Layout::kQ8K16>(rows);
-  }
-  return nullptr;
+  return with_layout(layout, [&](auto L) { return group_rows_for<decltype(L)::value>(rows); });
 }
 
 bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }

@@ -282,15 +282,7 @@ bool has_bf16_tiles() {
 void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                        float* out, int64_t out_stride) {
 #if defined(__AVX512BF16__)
-  switch (layout) {
-    case Layout::kQ4: matmul_bf16_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4Sym: matmul_bf16_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8: matmul_bf16_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8Min: matmul_bf16_impl<Layout::kQ8Min>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4K: matmul_bf16_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8K: matmul_bf16_impl<Layout::kQ8K>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8K16: matmul_bf16_impl<Layout::kQ8K16>(x, M, w, num_groups, out, out_stride); break;
-  }
+  with_layout(layout, [&](auto L) { matmul_bf16_impl<decltype(L)::value>(x, M, w, num_groups, out, out_stride); });
 #else
   TORCH_CHECK(false, "no bf16 products in this build (AVX512-BF16)");
 #endif
@@ -298,15 +290,7 @@ void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, 
 
 void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                               float* out, int64_t out_stride) {
-  switch (layout) {
-    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8Min: matmul_impl<Layout::kQ8Min>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8K: matmul_impl<Layout::kQ8K>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ8K16: matmul_impl<Layout::kQ8K16>(x, M, w, num_groups, out, out_stride); break;
-  }
+  with_layout(layout, [&](auto L) { matmul_impl<decltype(L)::value>(x, M, w, num_groups, out, out_stride); });
 }
 
 }  // namespace serval_kernels::quantized
