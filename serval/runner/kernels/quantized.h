@@ -125,13 +125,15 @@ struct QuantizedRows {
   std::vector<float> sums;    // (M, K / 32) sum of x_b
 };
 
-template <typename Code>
-QuantizedRows<Code> quantize_rows(const float* x, int64_t M, int64_t K) {
+// x: float or at::BFloat16 (a bf16 model's activations are read as they are, not copied to fp32 first).
+template <typename Code, typename In>
+QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
   constexpr float kLevels = static_cast<float>(std::numeric_limits<Code>::max());
   const int64_t num_blocks = K / kBlock;
   QuantizedRows<Code> q{std::vector<Code>(M * K), std::vector<float>(M * num_blocks), std::vector<float>(M * num_blocks)};
   for (int64_t i = 0; i < M * num_blocks; ++i) {
-    const float* xb = x + i * kBlock;
+    float xb[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) xb[j] = to_float(x[i * kBlock + j]);
     float amax = 0.0f, sum = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) {
       amax = std::max(amax, std::fabs(xb[j]));

@@ -250,6 +250,26 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
   return layout;
 }
 
+// out (M, padded) fp32 -> (M, N) in dtype. NOTE: a loop rather than narrow + to: for a decode step's few
+// rows these are a dozen tensor ops' dispatch (a microsecond each, 120 matmuls a token) around a copy of a
+// few hundred values.
+torch::Tensor unpadded(const torch::Tensor& out, int64_t N, torch::ScalarType dtype) {
+  const int64_t M = out.size(0), padded = out.size(1);
+  if (dtype == torch::kFloat && N == padded) return out;
+  if (dtype != torch::kFloat && dtype != torch::kBFloat16) return out.narrow(1, 0, N).to(dtype);
+  auto y = torch::empty({M, N}, out.options().dtype(dtype));
+  const float* src = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    if (dtype == torch::kFloat) {
+      std::memcpy(y.data_ptr<float>() + m * N, src + m * padded, N * sizeof(float));
+    } else {
+      at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
+      for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
+    }
+  }
+  return y;
+}
+
 }  // namespace
 
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
@@ -277,7 +297,9 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   float* op = out.data_ptr<float>();
   const bool bf16_products = M > kMaxRows && x.scalar_type() == torch::kBFloat16 && has_bf16_tiles() &&
                              !(int8_batch_activations && has_int8_rows(layout));
-  const auto xf = M == 0 || bf16_products ? x : x.to(torch::kFloat).contiguous();
+  // The few-row path reads bf16 x as it is; the batch paths below take fp32 (a copy, over many rows).
+  const bool few_rows = M <= kMaxRows;
+  const auto xf = M == 0 || bf16_products || few_rows ? x.contiguous() : x.to(torch::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (bf16_products) {
@@ -288,13 +310,15 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   } else if (M > kMaxRows) {
     matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   } else {
-    const Int16Rows xq = quantize_rows<int16_t>(xf.data_ptr<float>(), M, K);
+    TORCH_CHECK(xf.scalar_type() == torch::kFloat || xf.scalar_type() == torch::kBFloat16, "x: fp32 or bf16");
+    const Int16Rows xq = xf.scalar_type() == torch::kFloat
+                             ? quantize_rows<int16_t>(xf.data_ptr<float>(), M, K)
+                             : quantize_rows<int16_t>(xf.data_ptr<at::BFloat16>(), M, K);
     const GroupRows run = group_rows_for(layout, M);
     // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
     parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
       for (int64_t G = begin; G < end; ++G) run(w, G, xq, op + G * kGroup, out.size(1));
     });
   }
-  auto y = out.narrow(1, 0, N);
-  return x.scalar_type() == torch::kFloat ? y.contiguous() : y.to(x.scalar_type());
+  return unpadded(out, N, x.scalar_type());
 }
