@@ -66,8 +66,8 @@ def address_problem(text: str, allow_loopback: bool = False) -> str | None:
     if ip.is_loopback:
         return None if allow_loopback else "a loopback address"
     checks = (("is_unspecified", "an unspecified address"), ("is_link_local", "a link-local address"),
-              ("is_multicast", "a multicast address"), ("is_private", "a private address"),
-              ("is_reserved", "a reserved address"))  # fmt: skip
+              ("is_multicast", "a multicast address"), ("is_reserved", "a reserved address"),
+              ("is_private", "a private address"))  # fmt: skip
     for attribute, problem in checks:
         if getattr(ip, attribute):
             return problem
@@ -127,7 +127,6 @@ class MediaFetcher:
             raise MediaError(f"{param}: {source.describe()} does not exist", param) from None
         except OSError as e:  # a directory, a symlink swapped in after the check, no permission
             raise MediaError(f"{param}: {source.describe()} cannot be read ({e.strerror})", param) from None
-        file = os.fdopen(fd, "rb")
         try:
             info = os.fstat(fd)
             opened = f"/proc/self/fd/{fd}"
@@ -138,9 +137,9 @@ class MediaFetcher:
             if info.st_size > source.max_bytes:
                 raise MediaError(_too_large(param, source, info.st_size), param)
         except BaseException:
-            file.close()
+            os.close(fd)
             raise
-        return file
+        return os.fdopen(fd, "rb")
 
     # ---- remote files
 
