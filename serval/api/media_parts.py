@@ -71,6 +71,8 @@ def media_part(part: dict[str, Any], where: str, config: MediaConfig, high_resol
     if part["type"] == "video" and isinstance(payload, list):
         if not payload:
             raise invalid(f"{where}.video must be a non-empty list of image URLs", f"{where}.video")
+        if len(payload) > config.max_media_items:
+            raise invalid(f"{where}.video has more than {config.max_media_items} images", f"{where}.video")
         frames = tuple(
             _source(
                 _url(item, f"{where}.video[{k}]"),
@@ -128,7 +130,8 @@ def _data_url(url: str, kind: MediaKind, param: str, cap: int) -> MediaSource:
     allowed = sorted(m for m, f in MIME_FORMATS.items() if f in FORMATS[kind])
     if MIME_FORMATS.get(mime) not in FORMATS[kind]:
         raise invalid(
-            f"{param}: the MIME type {mime[:64]!r} is not a {kind.value} type ({', '.join(allowed)})", param
+            f"{param}: the MIME type {mime[:64]!r} is not an accepted {kind.value} type ({', '.join(allowed)})",
+            param,
         )
     data = _base64(match.group(3), param, cap)
     return MediaSource("data", "", cap, data, MIME_FORMATS[mime])
