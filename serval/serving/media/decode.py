@@ -108,12 +108,13 @@ def decode_image(
     found = check_format(file, MediaKind.IMAGE, declared, param)
     try:
         image = Image.open(file, formats=[PIL_FORMATS[found]])  # reads the header only
-    except (
-        Image.DecompressionBombError
-    ):  # Pillow's own ceiling (twice Image.MAX_IMAGE_PIXELS), lower than ours
+    # Pillow's own ceiling (twice Image.MAX_IMAGE_PIXELS) is above ours, so it only catches the largest.
+    except Image.DecompressionBombError:
         raise MediaError(
             f"{param}: the image declares more than {config.max_image_pixels} pixels", param
         ) from None
+    except OSError as e:  # a header cut short or garbled
+        raise MediaError(f"{param}: the image is truncated or corrupt ({e})", param) from None
     width, height = image.size
     if width * height > config.max_image_pixels:
         raise MediaError(

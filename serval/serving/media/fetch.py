@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import ipaddress
 import os
 import shutil
@@ -263,14 +264,19 @@ class MediaFetcher:
                 raise MediaError(_too_large(param, source, int(declared)), param)
             expected = int(declared)
         with self.reserve(expected if expected > self.config.spool_memory_bytes else 0):
-            # The file outlives this function (the caller decodes and closes it).
-            file = tempfile.SpooledTemporaryFile(self.config.spool_memory_bytes, dir=self.spool_dir)  # noqa: SIM115
+            # NOTE: not tempfile.SpooledTemporaryFile: PyAV reads nothing from one still in memory. The file
+            # outlives this function (the caller decodes and closes it).
+            file: BinaryIO = io.BytesIO()
             try:
                 size = 0
                 async for chunk in response.aiter_raw(CHUNK_BYTES):
                     size += len(chunk)
                     if size > cap:  # stop reading now: the connection is dropped when the client closes
                         raise MediaError(_too_large(param, source, size, partial=True), param)
+                    if size > self.config.spool_memory_bytes and isinstance(file, io.BytesIO):
+                        spilled = tempfile.TemporaryFile(dir=self.spool_dir)  # noqa: SIM115
+                        spilled.write(file.getbuffer())
+                        file = spilled
                     file.write(chunk)
             except httpx.TimeoutException:
                 file.close()
@@ -284,7 +290,7 @@ class MediaFetcher:
                 file.close()
                 raise
         file.seek(0)
-        return file  # type: ignore[return-value]
+        return file
 
     @contextlib.contextmanager
     def reserve(self, num_bytes: int):
@@ -299,8 +305,6 @@ class MediaFetcher:
 
 
 def _memory_file(data: bytes) -> BinaryIO:
-    import io
-
     return io.BytesIO(data)
 
 
