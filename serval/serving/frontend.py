@@ -273,17 +273,11 @@ class Frontend:
                 num_prefix_tokens = len(token_ids)
         if not slots and not media:
             return token_ids, num_prefix_tokens, ()
-        if len(slots) != len(media or ()) or self.media_processor is None:
-            raise InvalidRequestError(
-                f"the chat template placed {len(slots)} media parts of {len(media or ())}", "messages"
-            )
-        runs = [(slot, self.media_processor.placeholder_ids(item)) for slot, item in zip(slots, media or ())]
-        # The pinned prefix grows by the runs inside it (a media part marked cache_control ends it after).
-        num_prefix_tokens += sum(
-            len(run) for slot, run in runs if num_prefix_tokens and slot <= num_prefix_tokens
-        )
-        token_ids, spans = place_media(token_ids, runs, media or [])
-        return token_ids, num_prefix_tokens, spans
+        assert self.media_processor is not None, "check_media refuses media without a processor"
+        try:
+            return place_media(token_ids, slots, media or [], self.media_processor, num_prefix_tokens)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from e
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size

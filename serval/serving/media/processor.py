@@ -96,24 +96,33 @@ def content_hash(kind: MediaKind, decoded: Decoded) -> bytes:
 
 
 def place_media(
-    token_ids: list[int], runs: Sequence[tuple[int, list[int]]], items: Sequence[MediaItem]
-) -> tuple[list[int], tuple[MediaSpan, ...]]:
-    """The prompt with each item's run inserted, and the spans.
-
-    runs: (position in token_ids, the item's placeholder ids) in prompt order, one per item, as the prompt's
-    encoding found the media slots."""
-    if len(runs) != len(items):
-        raise ValueError(f"the prompt has {len(runs)} media slots for {len(items)} media items")
+    token_ids: list[int],
+    slots: Sequence[int],
+    items: Sequence[MediaItem],
+    processor: MediaProcessor,
+    num_prefix_tokens: int = 0,
+) -> tuple[list[int], int, tuple[MediaSpan, ...]]:
+    """The prompt with each item's run of placeholder ids inserted, the explicit-cache prefix's new length,
+    and the spans. slots: for each item in order, the position in token_ids its run goes before (where the
+    template put its message). ValueError when the template placed another number of media than there are."""
+    if len(slots) != len(items):
+        raise ValueError(f"the chat template placed {len(slots)} of the {len(items)} media parts")
     result: list[int] = []
     spans = []
     start = 0
-    for (position, run), item in zip(runs, items):
-        result.extend(token_ids[start:position])
+    num_prefix = num_prefix_tokens
+    for slot, item in zip(slots, items):
+        run = processor.placeholder_ids(item)
+        if len(run) != item.num_tokens:
+            raise ValueError(f"{item.param}: the model's run is {len(run)} ids for {item.num_tokens} tokens")
+        result.extend(token_ids[start:slot])
         spans.append(MediaSpan(len(result), item))
         result.extend(run)
-        start = position
+        start = slot
+        if num_prefix_tokens and slot <= num_prefix_tokens:  # a run inside the pinned prefix lengthens it
+            num_prefix += len(run)
     result.extend(token_ids[start:])
-    return result, tuple(spans)
+    return result, num_prefix, tuple(spans)
 
 
 def num_tokens_by_kind(spans: Sequence[MediaSpan]) -> dict[MediaKind, int]:
