@@ -1,5 +1,5 @@
-"""The `serval` command: argv (and the SERVAL_API_KEY and SERVAL_ADMIN_API_KEY environment variables) are read
-here and nowhere else.
+"""The `serval` command: argv (and the SERVAL_API_KEY, SERVAL_ADMIN_API_KEY and ALLOWED_MEDIA_DOMAINS_ENV
+environment variables) are read here and nowhere else.
 
 Owns turning options into frozen configs. Options come in three layers, later ones winning: the built-in
 defaults of the config dataclasses, a MindIE-style config.json given with --config, and the flags themselves
@@ -20,7 +20,7 @@ from typing import Any
 
 from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
-from serval.server_config import ServerConfig, lora_root_directory, read_mindie_config
+from serval.server_config import ServerConfig, lora_root_directory, read_mindie_config, split_domains
 from serval.serving.chat_template import ChatTemplate
 from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
@@ -74,6 +74,23 @@ def _add_lora_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-api-key", action="append", help="bearer token of the admin routes; repeatable")
     p.add_argument(
         "--lora-root", help="directory /v1/load_lora_adapter may load from (default: no run-time loads)"
+    )
+
+
+def _add_media_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-local-media-path",
+        help="directory local media files (file://, bare paths) may come from (default /data/multimodal_inputs; "
+        "'' turns local files off)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=split_domains,
+        help="comma-separated hosts http(s) media may come from (default: ALLOWED_MEDIA_DOMAINS_ENV, else none)",
+    )
+    p.add_argument("--max-concurrent-media-fetches", type=int, help="media downloads at once (default 8)")
+    p.add_argument(
+        "--media-fetch-timeout", type=float, help="seconds one media download may take (default 60)"
     )
 
 
@@ -154,6 +171,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     _add_lora_options(p)
+    _add_media_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +192,8 @@ def merged_options(args: argparse.Namespace) -> dict[str, Any]:
     for name, variable in (("api_key", "SERVAL_API_KEY"), ("admin_api_key", "SERVAL_ADMIN_API_KEY")):
         if name not in options and os.environ.get(variable):
             options[name] = [k for k in os.environ[variable].split(",") if k]
+    if "allowed_media_domains" not in options and os.environ.get("ALLOWED_MEDIA_DOMAINS_ENV"):
+        options["allowed_media_domains"] = split_domains(os.environ["ALLOWED_MEDIA_DOMAINS_ENV"])
     return options
 
 
@@ -215,8 +235,12 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
          "shutdown_grace_seconds": "shutdown_grace_seconds",
          "grammar_compile_timeout": "grammar_compile_timeout",
          "grammar_compile_memory": "grammar_compile_memory_bytes",
-         "grammar_compile_workers": "grammar_compile_workers"},
+         "grammar_compile_workers": "grammar_compile_workers",
+         "allowed_local_media_path": "allowed_local_media_path",
+         "max_concurrent_media_fetches": "max_concurrent_media_fetches",
+         "media_fetch_timeout": "media_fetch_timeout"},
     )  # fmt: skip
+    fields["allowed_media_domains"] = tuple(options.get("allowed_media_domains") or ())
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))
     fields["max_seqs_per_request"] = max_seqs_per_request(options)
     fields["api_keys"] = tuple(options.get("api_key") or ())
@@ -262,6 +286,7 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.engine.lora import LoraError
     from serval.serving.frontend import Frontend
     from serval.serving.grammar_pool import GrammarLimits
+    from serval.serving.media.limits import media_config
     from serval.serving.tokenizer import Tokenizer
 
     try:
@@ -285,6 +310,12 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
                 server.grammar_compile_timeout,
                 server.grammar_compile_memory_bytes,
                 server.grammar_compile_workers,
+            ),
+            media_config=media_config(
+                server.allowed_local_media_path,
+                server.allowed_media_domains,
+                server.max_concurrent_media_fetches,
+                server.media_fetch_timeout,
             ),
         )
         app = build_app(server, frontend)

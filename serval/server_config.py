@@ -63,6 +63,13 @@ class ServerConfig:
     grammar_compile_timeout: float = 10.0
     grammar_compile_memory_bytes: int = GIB
     grammar_compile_workers: int = 2
+    # Media parts (serving/media/limits.py has the rest): the directory local files may come from (None:
+    # MindIE's /data/multimodal_inputs; "": no local files), the hosts remote media may come from
+    # (ALLOWED_MEDIA_DOMAINS_ENV; none: no remote media), downloads at once and seconds per download.
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_concurrent_media_fetches: int = 8
+    media_fetch_timeout: float = 60.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -94,6 +101,16 @@ class ServerConfig:
             )
         if self.grammar_compile_workers < 1:
             raise ValueError(f"grammar_compile_workers must be positive, got {self.grammar_compile_workers}")
+        if self.max_concurrent_media_fetches < 1:
+            raise ValueError(
+                f"max_concurrent_media_fetches must be positive, got {self.max_concurrent_media_fetches}"
+            )
+        if not 0 < self.media_fetch_timeout < float("inf"):
+            raise ValueError(f"media_fetch_timeout must be positive, got {self.media_fetch_timeout}")
+        if any(not d or "/" in d or "," in d or d != d.strip() for d in self.allowed_media_domains):
+            raise ValueError(
+                f"allowed media domains must be bare host names, got {self.allowed_media_domains}"
+            )
 
     @property
     def model_name(self) -> str:
@@ -174,6 +191,11 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         "block_size": _typed(schedule, "cacheBlockSize", int, "ScheduleConfig"),
         "max_queue_len": _typed(schedule, "maxQueueLen", int, "ScheduleConfig"),
         "max_seqs_per_request": _typed(schedule, "maxSeqsPerRequest", int, "ScheduleConfig"),
+        # Not MindIE keys: serval's media settings, beside the server's own.
+        "allowed_local_media_path": _typed(server, "allowedLocalMediaPath", str, "ServerConfig"),
+        "allowed_media_domains": _domains(server.get("allowedMediaDomains")),
+        "max_concurrent_media_fetches": _typed(server, "maxConcurrentMediaFetches", int, "ServerConfig"),
+        "media_fetch_timeout": _typed(server, "mediaFetchTimeout", float, "ServerConfig"),
     }
     if options["host"] == "0.0.0.0" and server.get("allowAllZeroIpListening") is not True:
         # MindIE refuses all-zero listening unless the file opts in; keep that safety.
@@ -205,6 +227,22 @@ def read_mindie_config(path: str) -> dict[str, Any]:
     if lora_root is not None:
         options["lora_root"] = _relative_to(base_dir, lora_root)
     return {key: value for key, value in options.items() if value is not None}
+
+
+def split_domains(text: str) -> list[str]:
+    """ALLOWED_MEDIA_DOMAINS_ENV's spelling: host names separated by commas (blanks ignored)."""
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def _domains(value: Any) -> list[str] | None:
+    # allowedMediaDomains: a list of host names, or one comma-separated string as the environment variable.
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return split_domains(value)
+    if isinstance(value, list) and all(isinstance(d, str) for d in value):
+        return [d.strip() for d in value if d.strip()]
+    raise ValueError("config file: ServerConfig.allowedMediaDomains must be a string or a list of strings")
 
 
 def _lora_modules(entries: Any, base_dir: str) -> list[LoraModule]:

@@ -88,8 +88,9 @@ def error_response(error: APIError) -> JSONResponse:
 
 def from_serving(error: Exception) -> APIError:
     """The APIError for an exception raised below the HTTP layer: each ServingError's status, once."""
+    # A media problem carries its own code (serving/media/parts.py MediaError).
     if isinstance(error, InvalidRequestError):
-        return APIError(400, str(error), error.param, "invalid_value")
+        return APIError(400, str(error), error.param, getattr(error, "code", "invalid_value"))
     if isinstance(error, ModelNotFoundError):
         return APIError(404, str(error), error.param, "model_not_found")
     if isinstance(error, ConflictError):

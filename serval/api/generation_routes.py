@@ -24,6 +24,7 @@ from serval.api.body import parse
 from serval.api.chat_options import chat_options
 from serval.api.context import ServerContext
 from serval.api.errors import APIError
+from serval.api.media_parts import chat_media_parts
 from serval.api.metrics import Metrics
 from serval.api.openai import ChatCompletionRequest, CompletionRequest
 from serval.api.responses import chat_completion, text_completion
@@ -127,12 +128,16 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         messages, continue_final = req.template_messages(
             chat.messages, chat.continue_final_message, ctx.roles
         )
+        # Every media part parsed and checked first; a model that cannot read one refuses it before any fetch.
+        media = chat_media_parts(chat.messages, frontend.media.config, bool(chat.vl_high_resolution_images))
+        frontend.check_media(media, model)
         prompt = ChatPrompt(
             messages,
             add_generation_prompt=chat.add_generation_prompt is not False,
             continue_final_message=continue_final,
             template_kwargs=req.with_template_kwargs(chat),
             cache_spans=req.cache_spans(chat.messages),
+            media=media,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

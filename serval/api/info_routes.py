@@ -16,6 +16,7 @@ from serval.api.body import parse
 from serval.api.context import ServerContext
 from serval.api.errors import APIError, shown
 from serval.api.lora_routes import lora_model_card
+from serval.api.media_parts import chat_media_parts
 from serval.api.metrics import CONTENT_TYPE
 from serval.api.openai import DetokenizeRequest, TokenizeRequest
 from serval.api.version import package_version
@@ -59,13 +60,14 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = parse(TokenizeRequest, await ctx.body(request))
-        ctx.check_model(body.model)
+        model = ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages, continue_final = req.template_messages(
                 body.messages, body.continue_final_message, ctx.roles
             )
+            frontend.check_media(chat_media_parts(body.messages, frontend.media.config), model)
             tokens = await frontend.tokenize_chat(
                 messages,
                 add_generation_prompt=body.add_generation_prompt is not False,

@@ -3,8 +3,9 @@
 Owns the cross-field rules of the spec (tool messages need tool_call_id, best_of >= n and equal to n in a
 stream, n > 1 needs temperature > 0, ...; tools, tool_choice and response_format are in chat_options.py),
 the rules that need the served model (a message role its template accepts, logit_bias ids inside its
-vocabulary), and the refusal, by name, of what this deployment cannot honour (multimodal parts, web search,
-code interpreter, audio output; beam search's own rules are in beam_rules.py). Every refusal is an APIError
+vocabulary), and the refusal, by name, of what this deployment cannot honour (web search, code interpreter,
+audio output; beam search's own rules are in beam_rules.py; media parts are parsed by media_parts.py and
+refused, for a model that cannot read them, by serving). Every refusal is an APIError
 naming the parameter. Also the cache_control spans (explicit prompt caching): which stretches of message text to pin.
 Single-field ranges are in openai.py's schemas; docs/api.md lists each with the spec it comes from.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from serval.api.beam_rules import beam_search_fields, check_not_beam_only
 from serval.api.errors import invalid, unsupported
+from serval.api.media_parts import is_media_part
 from serval.api.openai import (
     INT32_MAX,
     MAX_MESSAGES_CHARS,
@@ -28,12 +30,9 @@ from serval.api.openai import (
     SamplingFields,
 )
 from serval.sampling import MAX_LOGIT_BIAS, SamplingParams
-from serval.serving.client_text import CacheSpan
+from serval.serving.client_text import MEDIA_COUNT_KEY, CacheSpan
 from serval.serving.template_roles import STANDARD_ROLES
 
-MEDIA_PART_TYPES = frozenset(
-    {"image_url", "video_url", "audio_url", "input_audio", "video", "image", "audio"}
-)
 # A logit_bias key: a token id in decimal, one spelling per id (no sign, no leading zeros), at most ten digits
 # so that no key is ever turned into a huge int.
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
@@ -45,35 +44,34 @@ MAX_ARGUMENTS_DEPTH = 128
 # ---- messages
 
 
-def _content_text(message: ChatMessage, where: str) -> str | None:
+def _content_text(message: ChatMessage, where: str) -> tuple[str | None, int]:
+    """The message's text, and how many media parts it has (api/media_parts.py parses those)."""
     content = message.content
     if content is None or isinstance(content, str):
-        return content
+        return content, 0
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of content parts", f"{where}.content")
     if not content:
         raise invalid(f"{where}.content must not be an empty list", f"{where}.content")
     texts = []
+    num_media = 0
     for j, part in enumerate(content):
         part_where = f"{where}.content[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(f"{part_where} must be an object with a string type", part_where)
-        kind = part["type"]
-        if kind in MEDIA_PART_TYPES:
-            raise unsupported(
-                f"{part_where}.type {kind!r}: the served model is a text-only model and cannot read media",
-                f"{part_where}.type",
-            )
-        if kind != "text":
+        if is_media_part(part):
+            num_media += 1
+            continue
+        if part["type"] != "text":
             raise invalid(
-                f"{part_where}.type {kind!r} is not a known content part type", f"{part_where}.type"
+                f"{part_where}.type {part['type']!r} is not a known content part type", f"{part_where}.type"
             )
         text = part.get("text")
         if not isinstance(text, str) or not text:
             raise invalid(f"{part_where}.text must be a non-empty string", f"{part_where}.text")
         texts.append(text)
     # NOTE: text parts join with newlines, vLLM's rendering of list content for string-only templates.
-    return "\n".join(texts)
+    return "\n".join(texts), num_media
 
 
 def cache_spans(messages: list[ChatMessage]) -> tuple[CacheSpan, ...]:
@@ -87,19 +85,24 @@ def cache_spans(messages: list[ChatMessage]) -> tuple[CacheSpan, ...]:
         if not isinstance(message.content, list):
             continue
         end = 0
+        has_text = False
         for j, part in enumerate(message.content):
             if not isinstance(part, dict):
                 continue  # _content_text names it
-            # Parts are joined with newlines (_content_text): the part starts after the one before it.
-            start = end + (1 if j else 0)
-            end = start + len(part.get("text") or "")
+            # Text parts are joined with newlines (_content_text): one starts after the text before it. A
+            # media part has no text: it sits before the message's text, so its span is the empty one at 0.
+            start = span_end = 0
+            if part.get("type") == "text":
+                start = end + (1 if has_text else 0)
+                end = span_end = start + len(part.get("text") or "")
+                has_text = True
             if "cache_control" not in part:
                 continue
             control = part["cache_control"]
             param = f"messages[{i}].content[{j}].cache_control"
             if not isinstance(control, dict) or control.get("type") != "ephemeral":
                 raise invalid(f'{param} must be {{"type": "ephemeral"}}', param)
-            spans.append(CacheSpan(i, start, end, control["type"]))
+            spans.append(CacheSpan(i, start, span_end, control["type"]))
     return tuple(spans)
 
 
@@ -161,7 +164,7 @@ def template_messages(
                 f"(one of {', '.join(sorted(roles))})",
                 f"{where}.role",
             )
-        text = _content_text(message, where)
+        text, num_media = _content_text(message, where)
         num_chars += len(text or "")
         if num_chars > MAX_MESSAGES_CHARS:
             raise invalid(
@@ -173,13 +176,15 @@ def template_messages(
             text = text or ""
         elif text is None:
             raise invalid(f"{where}.content is required for role {message.role!r}", f"{where}.content")
-        elif not text:
+        elif not text and not num_media:
             raise invalid(f"{where}.content must not be empty", f"{where}.content")
         if message.role == "tool" and not message.tool_call_id:
             raise invalid(f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
         if has_tool_calls and message.role != "assistant":
             raise invalid(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
         item: dict[str, Any] = {"role": message.role, "content": text}
+        if num_media:
+            item[MEDIA_COUNT_KEY] = num_media  # the template's ClientTexts puts them before the text
         for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(message, key)
             if value is not None:

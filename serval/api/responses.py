@@ -23,11 +23,19 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 def usage_body(usage: Usage, with_timing: bool = True) -> dict[str, Any]:
+    num_media_tokens = usage.num_image_tokens + usage.num_video_tokens + usage.num_audio_tokens
     body: dict[str, Any] = {
         "prompt_tokens": usage.num_prompt_tokens,
         "completion_tokens": usage.num_completion_tokens,
         "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": usage.num_cached_tokens,
+            # Model Studio's breakdown of the prompt by modality.
+            "text_tokens": usage.num_prompt_tokens - num_media_tokens,
+            "image_tokens": usage.num_image_tokens,
+            "video_tokens": usage.num_video_tokens,
+            "audio_tokens": usage.num_audio_tokens,
+        },
         "completion_tokens_details": {"reasoning_tokens": usage.num_reasoning_tokens},
     }
     if usage.uses_explicit_cache:

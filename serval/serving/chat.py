@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serval.serving.client_text import CacheSpan
+from serval.serving.media.parts import MediaPart
 from serval.serving.reasoning import THINK_END, THINK_START
 from serval.serving.structured import MAX_WHITESPACE
 from serval.serving.tool_calls import Tool, ToolCallFormat, ToolChoice
@@ -42,6 +43,8 @@ class ChatPrompt:
     continue_final_message: bool = False  # the last (assistant) message is continued, not answered
     template_kwargs: dict[str, Any] | None = None
     cache_spans: tuple[CacheSpan, ...] = ()  # cache_control stretches of message text (explicit caching)
+    # The media parts, in order; each user message's come before its text (its serval_num_media says how many).
+    media: tuple[MediaPart, ...] = ()
 
 
 @dataclass(frozen=True)

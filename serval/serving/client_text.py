@@ -29,6 +29,8 @@ from typing import Any
 # A placeholder with any nonce: `tojson` (which cannot know the render's nonce) adds its escape letter to it.
 _ANY_PLACEHOLDER = re.compile(r"(SERVAL[0-9a-f]{16})([JA]*)(N\d+E)")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+# A template message's count of media parts (api/requests.py sets it); never shown to the template.
+MEDIA_COUNT_KEY = "serval_num_media"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Segment:
     text: str
     is_client_text: bool  # True: encode as plain text, never as special tokens
     ends_cache_prefix: bool = False  # the explicit-cache prefix (cache_control) ends with this segment
+    # The next this-many media items of the request go here, before `text` (which is then ""): a message's
+    # media sit in front of its text (serving/media/processor.py).
+    num_media: int = 0
 
 
 def escape_placeholders(json_text: str, ensure_ascii: bool) -> str:
@@ -106,6 +111,7 @@ class ClientTexts:
         self.texts: list[str] = []
         # (index of a masked text, characters into it) where the explicit-cache prefix ends, or None.
         self.cache_cut: tuple[int, int] | None = None
+        self.media_before: dict[int, int] = {}  # index of a masked content -> media items before it
 
     def placeholder(self, text: str) -> str:
         self.texts.append(text)
@@ -149,15 +155,19 @@ class ClientTexts:
         """cache_end: characters into this message's content where the explicit-cache prefix ends."""
         # NOTE: content is always a placeholder, even when harmless: the frontend finds the turns (the cache
         # prefix's end, where the answer starts, the final message to continue) by its client segments.
-        masked = {key: self._field(key, value) for key, value in message.items() if key != "content"}
+        shown = [key for key in message if key != MEDIA_COUNT_KEY]
+        masked = {key: self._field(key, message[key]) for key in shown if key != "content"}
         content = message.get("content")
-        if isinstance(content, str) and content:
+        num_media = message.get(MEDIA_COUNT_KEY, 0)
+        if isinstance(content, str) and (content or num_media):
             masked["content"] = self.placeholder(content)
             if cache_end is not None:
                 self.cache_cut = (len(self.texts) - 1, cache_end)
+            if num_media:
+                self.media_before[len(self.texts) - 1] = num_media
         else:
             masked["content"] = content
-        return {key: masked[key] for key in message}
+        return {key: masked[key] for key in shown}
 
     def split(self, rendered: str) -> list[Segment]:
         """The rendered string as template and client segments, each placeholder replaced by its text (escaped
@@ -168,6 +178,8 @@ class ClientTexts:
             if match.start() > position:
                 segments.append(self._template_segment(rendered[position : match.start()]))
             index = int(match.group(2))
+            if index in self.media_before:
+                segments.append(Segment("", is_client_text=False, num_media=self.media_before[index]))
             pieces = [self.texts[index]]
             if self.cache_cut is not None and self.cache_cut[0] == index:
                 # NOTE: the two halves are encoded apart, so the prefix's tokens do not depend on what follows

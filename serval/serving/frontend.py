@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,10 @@ from serval.serving.errors import InvalidRequestError, from_engine, from_failure
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
 from serval.serving.lora import LoraAdapters
+from serval.serving.media.limits import MediaConfig
+from serval.serving.media.loader import MediaLoader
+from serval.serving.media.parts import MediaKind, MediaPart, check_accepted
+from serval.serving.media.processor import MediaItem, MediaProcessor, MediaSpan, place_media
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
 from serval.serving.stream import Completion, Event, fold
@@ -48,7 +53,10 @@ class Frontend:
         tool_call_format: str | None = None,
         max_seqs_per_request: int | None = None,
         grammar_limits: GrammarLimits | None = None,
+        media_config: MediaConfig | None = None,
+        media_processor: MediaProcessor | None = None,
     ) -> None:
+        """media_processor: the served model's (serving/media/processor.py); None for a text-only model."""
         self.engine = engine
         self.rules = PromptRules(engine.max_model_len, max_input_tokens, max_iter_times, max_seqs_per_request)
         self.tokenizer = tokenizer
@@ -65,6 +73,14 @@ class Frontend:
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
         self.text_threads = TextThreads()
+        self.media = MediaLoader(media_config or MediaConfig())
+        self.media_processor = media_processor
+        if media_processor is not None and not self.media.fetcher.has_reserved_space():
+            logging.getLogger(__name__).warning(
+                "media downloads spool to %s, which has less free space than MindIE reserves for them "
+                "(largest file x concurrent downloads x 1.5 = %d bytes)",
+                self.media.fetcher.spool_dir, self.media.config.reservation_bytes,
+            )  # fmt: skip
 
     @property
     def max_model_len(self) -> int:
@@ -76,6 +92,15 @@ class Frontend:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def media_kinds(self) -> frozenset[MediaKind]:
+        """The media kinds the served model reads: none for a text-only model."""
+        return self.media_processor.accepts if self.media_processor is not None else frozenset()
+
+    def check_media(self, parts: tuple[MediaPart, ...], model: str) -> None:
+        """A 400 naming the first part the served model cannot read, before anything is fetched."""
+        check_accepted(parts, self.media_kinds, model)
 
     # ---- requests
 
@@ -90,10 +115,14 @@ class Frontend:
         """A chat request, rendered, tokenized, its grammar compiled and its sequences planned; raises a
         ServingError (a 4xx) before anything reaches the engine."""
         self.check_num_sequences(1, params, "messages")  # before the template and a grammar compile
-        token_ids, plan, num_pinned = await self.prepare_chat(prompt, options)
+        items: list[MediaItem] = []
+        if prompt.media:
+            assert self.media_processor is not None, "check_media refuses media without a processor"
+            items = await self.media.load(prompt.media, self.media_processor)
+        token_ids, plan, num_pinned, spans = await self.prepare_chat(prompt, options, items)
         return self.new_request(
             request_id, [token_ids], params, output_plan=plan, num_pinned_prompt_tokens=num_pinned,
-            lora_name=lora_name,
+            lora_name=lora_name, media_spans=spans,
         )  # fmt: skip
 
     async def completion_request(
@@ -126,11 +155,13 @@ class Frontend:
         num_pinned_prompt_tokens: int = 0,
         lora_name: str | None = None,
         echoes: list[str] | None = None,
+        media_spans: tuple[MediaSpan, ...] = (),
     ) -> GenerationRequest:
         return GenerationRequest(
             request_id, prompts, params, self.rules, self.tokenizer, param=param,
             return_logprobs=return_logprobs, output_plan=output_plan,
             num_pinned_prompt_tokens=num_pinned_prompt_tokens, lora_name=lora_name, echoes=echoes,
+            media_spans=media_spans,
         )  # fmt: skip
 
     # ---- prompts
@@ -146,22 +177,26 @@ class Frontend:
         segments = self._render(
             messages, add_generation_prompt, continue_final_message, tools, template_kwargs
         )
+        if any(segment.num_media for segment in segments):
+            raise InvalidRequestError("/tokenize does not count media parts", "messages")
         return self._encode(segments)[0]
 
     async def prepare_chat(
-        self, prompt: ChatPrompt, options: ChatOptions
-    ) -> tuple[list[int], OutputPlan, int]:
-        """The prompt ids, the answer's OutputPlan (its grammar compiled here: a 400 if it can't be) and how
-        many leading prompt tokens to pin in the explicit cache (the end of the last cache span)."""
+        self, prompt: ChatPrompt, options: ChatOptions, media: list[MediaItem] | None = None
+    ) -> tuple[list[int], OutputPlan, int, tuple[MediaSpan, ...]]:
+        """The prompt ids, the answer's OutputPlan (its grammar compiled here: a 400 if it can't be), how
+        many leading prompt tokens to pin in the explicit cache (the end of the last cache span), and where
+        the loaded media's runs sit in the ids."""
         messages, tools, spans = prepare_messages(
             prompt.messages, options, self.tool_format, self.template_source, prompt.cache_spans
         )
         continue_final_message = prompt.continue_final_message
         # Rendered and tokenized together, off the event loop when the text is long (serving/text_threads.py).
-        segments, (token_ids, num_pinned_tokens) = await self.text_threads.run(
+        segments, (token_ids, num_pinned_tokens, media_spans) = await self.text_threads.run(
             num_message_chars(messages),
             self._render_and_encode,
-            messages, prompt.add_generation_prompt, continue_final_message, tools, prompt.template_kwargs, spans,
+            messages, media or [], prompt.add_generation_prompt, continue_final_message, tools,
+            prompt.template_kwargs, spans,
         )  # fmt: skip
         thinks = template_thinks(self.template_source)
         starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
@@ -179,7 +214,7 @@ class Frontend:
             thinking_budget=budget,
             think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
         )
-        return token_ids, plan, num_pinned_tokens
+        return token_ids, plan, num_pinned_tokens, media_spans
 
     async def tokenize_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """render_chat, off the event loop when the text is long."""
@@ -193,10 +228,10 @@ class Frontend:
         )
 
     def _render_and_encode(
-        self, messages: list[dict[str, Any]], *render_args: Any
-    ) -> tuple[list[Segment], tuple[list[int], int]]:
+        self, messages: list[dict[str, Any]], media: list[MediaItem], *render_args: Any
+    ) -> tuple[list[Segment], tuple[list[int], int, tuple[MediaSpan, ...]]]:
         segments = self._render(messages, *render_args)
-        return segments, self._encode(segments)
+        return segments, self._encode(segments, media)
 
     def _render(
         self,
@@ -220,18 +255,29 @@ class Frontend:
             raise InvalidRequestError(str(e), "messages") from e
         return segments
 
-    def _encode(self, segments: list[Segment]) -> tuple[list[int], int]:
-        """The prompt ids, and how many of them the explicit-cache prefix covers (0 without one)."""
+    def _encode(
+        self, segments: list[Segment], media: list[MediaItem] | None = None
+    ) -> tuple[list[int], int, tuple[MediaSpan, ...]]:
+        """The prompt ids, how many of them the explicit-cache prefix covers (0 without one), and the
+        media items' runs placed where the template put their messages (serving/media/processor.py)."""
         token_ids: list[int] = []
         num_prefix_tokens = 0
+        slots: list[int] = []  # positions in token_ids before which the next media item's run goes
         for segment in segments:
+            slots.extend([len(token_ids)] * segment.num_media)
             if segment.is_client_text:
                 token_ids.extend(self.tokenizer.encode_plain(segment.text))
             else:
                 token_ids.extend(self.tokenizer.encode(segment.text))
             if segment.ends_cache_prefix:
                 num_prefix_tokens = len(token_ids)
-        return token_ids, num_prefix_tokens
+        if not slots and not media:
+            return token_ids, num_prefix_tokens, ()
+        assert self.media_processor is not None, "check_media refuses media without a processor"
+        try:
+            return place_media(token_ids, slots, media or [], self.media_processor, num_prefix_tokens)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from e
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size

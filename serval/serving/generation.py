@@ -26,6 +26,8 @@ from serval.serving.choices import (
     usage_of,
 )
 from serval.serving.errors import InvalidRequestError
+from serval.serving.media.parts import MediaKind
+from serval.serving.media.processor import MediaSpan, num_tokens_by_kind
 from serval.serving.output import OutputPlan
 from serval.serving.stream import ChoiceDelta, ChoiceStream, Completion, Usage
 
@@ -95,12 +97,14 @@ class GenerationRequest:
         num_pinned_prompt_tokens: int = 0,
         lora_name: str | None = None,
         echoes: list[str] | None = None,
+        media_spans: tuple[MediaSpan, ...] = (),
     ) -> None:
         """Plans the sequences (InvalidRequestError for a prompt or a count the rules refuse).
 
         return_logprobs: whether the choices carry logprobs (None: when params.logprobs asks for them).
         num_pinned_prompt_tokens: the leading tokens of every prompt to pin in the explicit cache.
-        echoes: completions with echo: per prompt, the prompt text the response starts with."""
+        echoes: completions with echo: per prompt, the prompt text the response starts with.
+        media_spans: where a chat prompt's media items sit in its ids (serving/media/processor.py)."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -108,6 +112,7 @@ class GenerationRequest:
         self.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.lora_name = lora_name
         self.echoes = echoes
+        self.media_spans = media_spans
         if return_logprobs is None:
             return_logprobs = params.logprobs is not None
         self.sequences = rules.plan(prompts, params, param)
@@ -177,6 +182,10 @@ class GenerationRequest:
     def usage(self) -> Usage:
         usage = usage_of(self.prompts, self.sequences, self.choices)
         usage.uses_explicit_cache = self.num_pinned_prompt_tokens > 0
+        counts = num_tokens_by_kind(self.media_spans)
+        usage.num_image_tokens = counts[MediaKind.IMAGE]
+        usage.num_video_tokens = counts[MediaKind.VIDEO]
+        usage.num_audio_tokens = counts[MediaKind.AUDIO]
         return usage
 
     def select(self, completion: Completion) -> Completion:

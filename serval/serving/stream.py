@@ -67,6 +67,11 @@ class Usage:
     # whether it asked for it at all (the API shows the cache_creation fields only then).
     num_cache_creation_tokens: int = 0
     uses_explicit_cache: bool = False
+    # Of the prompt tokens, those of media placeholder runs (Model Studio's prompt_tokens_details); the rest
+    # are text.
+    num_image_tokens: int = 0
+    num_video_tokens: int = 0
+    num_audio_tokens: int = 0
     # MindIE's timing arrays, of the longest sequence (they share the steps): per generated token the batch
     # size of its step and its queue wait (µs); the prompt's compute time and each decode step's time (ms).
     batch_sizes: list[int] = field(default_factory=list)

@@ -44,7 +44,10 @@ def test_chat_completion_shape(client):
     usage = data["usage"]
     assert usage["completion_tokens"] == len(TEXT) + 1  # the bytes, then EOS
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {
+        "cached_tokens": 0, "text_tokens": usage["prompt_tokens"], "image_tokens": 0, "video_tokens": 0,
+        "audio_tokens": 0,
+    }  # fmt: skip
     assert len(usage["batch_size"]) == len(usage["queue_wait_time"]) == usage["completion_tokens"]
     assert isinstance(data["prefill_time"], float) and isinstance(data["decode_time_arr"], list)
 

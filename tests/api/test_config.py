@@ -178,3 +178,33 @@ def test_grammar_compile_flags_reach_the_server_config():
     ):
         with pytest.raises(ValueError, match="grammar_compile"):
             ServerConfig(**bad)
+
+
+def test_media_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
+    from serval.serving.media.limits import DEFAULT_MEDIA_ROOT, media_config
+
+    monkeypatch.delenv("ALLOWED_MEDIA_DOMAINS_ENV", raising=False)
+
+    def settings(*argv: str) -> ServerConfig:
+        return server_config(merged_options(build_parser().parse_args(["serve", *argv])), "m")
+
+    def media(server: ServerConfig):
+        return media_config(server.allowed_local_media_path, server.allowed_media_domains,
+                            server.max_concurrent_media_fetches, server.media_fetch_timeout)  # fmt: skip
+
+    defaults = media(settings())
+    assert (defaults.local_media_root, defaults.allowed_domains) == (DEFAULT_MEDIA_ROOT, ())
+    assert not defaults.allow_loopback_for_tests  # no flag, key or variable reaches it
+    monkeypatch.setenv("ALLOWED_MEDIA_DOMAINS_ENV", "upload.media.org, CDN.example.com,,10.1.2.3")
+    assert media(settings()).allowed_domains == ("upload.media.org", "cdn.example.com", "10.1.2.3")
+    flagged = media(settings("--allowed-media-domains", "a.org", "--allowed-local-media-path", "",
+                             "--max-concurrent-media-fetches", "3", "--media-fetch-timeout", "9"))  # fmt: skip
+    assert flagged.allowed_domains == ("a.org",) and flagged.local_media_root is None
+    assert (flagged.max_concurrent_fetches, flagged.fetch_timeout) == (3, 9.0)
+    file = {"ServerConfig": {"allowedMediaDomains": ["b.org"], "allowedLocalMediaPath": "/srv/media"}}
+    from_file = media(settings("--config", write(tmp_path, file)))
+    assert from_file.allowed_domains == ("b.org",) and from_file.local_media_root == "/srv/media"
+    with pytest.raises(ValueError, match="bare host names"):
+        ServerConfig(allowed_media_domains=("http://x.org",))
+    with pytest.raises(ValueError, match="max_concurrent_media_fetches"):
+        ServerConfig(max_concurrent_media_fetches=0)

@@ -88,4 +88,4 @@ def test_streamed_usage_has_the_cache_fields(app):
 def test_without_cache_control_there_are_no_cache_fields(app):
     response = post(app, {"messages": [{"role": "user", "content": "Plain question"}]})
     details = response.json()["usage"]["prompt_tokens_details"]
-    assert set(details) == {"cached_tokens"}
+    assert set(details) == {"cached_tokens", "text_tokens", "image_tokens", "video_tokens", "audio_tokens"}

@@ -28,7 +28,7 @@ def frontend() -> Frontend:
 def prepared(frontend, messages, spans, options=PLAIN) -> tuple[str, str]:
     """(the pinned prefix's text, the whole prompt's text)."""
     prompt = ChatPrompt(messages, cache_spans=tuple(spans))
-    ids, _, num_pinned = asyncio.run(frontend.prepare_chat(prompt, options))
+    ids, _, num_pinned, _ = asyncio.run(frontend.prepare_chat(prompt, options))
     decode = frontend.tokenizer.decode
     return decode(ids[:num_pinned], skip_special_tokens=False), decode(ids, skip_special_tokens=False)
 
