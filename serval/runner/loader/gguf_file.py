@@ -114,7 +114,26 @@ class GGUFFile:
             dtype = np.dtype(_NUMPY_TYPES[item_type])
             items = np.frombuffer(self._bytes(count * dtype.itemsize), dtype=dtype)
             return (items != 0).tolist() if item_type == 7 else items.tolist()
+        if item_type == _STRING:
+            return self._strings(count)
         return [self._value(item_type) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary: 50k-250k of them), read in one tight loop."""
+        data, pos, size = self._mmap, self._pos, len(self._mmap)
+        unpack_length = struct.Struct("<Q").unpack_from
+        strings = []
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError("truncated file")
+            (length,) = unpack_length(data, pos)
+            end = pos + 8 + length
+            if end > size:
+                raise ValueError("truncated file")
+            strings.append(data[pos + 8 : end].decode("utf-8", errors="replace"))
+            pos = end
+        self._pos = pos
+        return strings
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()

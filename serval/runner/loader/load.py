@@ -140,16 +140,23 @@ def _return_freed_heap() -> None:
 
 def _materialize_all_but_matrices(model: torch.nn.Module) -> None:
     """Allocate (uninitialized) every parameter and buffer still on the meta device except the Linear layers'
-    weights (those come with their first tensor; placeholders of packed-only ones are already real)."""
+    weights (those come with their first tensor; placeholders of packed-only ones are already real).
+
+    NOTE: torch.empty with the shape, not torch.empty_like of the meta tensor: the latter goes through
+    torch._refs, whose first use imports sympy (0.7 s of every start)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if param.is_meta and not (isinstance(module, Linear) and name == "weight"):
                 setattr(
                     module,
                     name,
-                    torch.nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad),
+                    torch.nn.Parameter(_empty_cpu(param), param.requires_grad),
                 )
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:
                 persistent = name not in module._non_persistent_buffers_set
-                module.register_buffer(name, torch.empty_like(buffer, device="cpu"), persistent=persistent)
+                module.register_buffer(name, _empty_cpu(buffer), persistent=persistent)
+
+
+def _empty_cpu(meta: torch.Tensor) -> torch.Tensor:
+    return torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
