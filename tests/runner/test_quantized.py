@@ -20,6 +20,8 @@ from tests.fixtures.quants import random_blocks
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Every block type, in the order of GGML's enum.
 BLOCK_TYPES = sorted(BLOCK_CODE_TYPES)
+# quantized_linear.cpp's kIntegerRowsMax: up to this many rows the int16 dot products, past it the tiles.
+INTEGER_ROWS_MAX = 16
 
 
 def _gguf_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -165,7 +167,7 @@ def _reference(
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 64])
 def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     # K = 768: 3 super-blocks of the k-quants, and for the tiled path a slice of 256 and a partial one
     # where it applies (K 352 for the 32-weight formats).
@@ -179,7 +181,7 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     got = packed.matmul(kernels.quantized_linear, x)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     exact = x.double() @ weight.double().t()
-    if rows <= 8:
+    if rows <= INTEGER_ROWS_MAX:
         # Integer dot products: x rounded to int16 per block (2^-15 of each block's largest value).
         expected = _reference(x, weight, _offsets(block)).float()
         assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
@@ -187,6 +189,7 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     else:
         # Dequantized tiles: the file's exact weights times x in fp32.
         assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
+    if rows > 8:
         int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
         if packed.bits == 4 and kernels.variant != "portable":
             # x rounded to 1/127 of each block's largest value (VPMADDUBSW), the rest as on the int16 path.
@@ -195,9 +198,9 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
             # Row 0's outlier (900) takes its block's whole int8 range: the other rows stay near exact.
             error = (int8[1:].double() - exact[1:]).abs() / (exact[1:].abs().max() + 1)
             assert error.max().item() < 5e-2
-        else:  # no int8 path for this layout or build: the exact tiles
+        else:  # no int8 path for this layout or build: what the kernel computes without it
             assert torch.equal(int8, got)
-    # bf16 x (a bf16 model): past 8 rows on AVX512-BF16 the weights are rounded to bf16 in registers, as a
+    # bf16 x (a bf16 model): past INTEGER_ROWS_MAX rows on AVX512-BF16 the weights are rounded to bf16 in registers, as a
     # dense bf16 copy would hold them, and the pairs summed in fp32 (VDPBF16PS); elsewhere the products
     # are of the exact weights. Either way within bf16's rounding of the weights and of the result.
     xb = x.bfloat16()
@@ -206,7 +209,7 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     magnitude = xb.double().abs() @ weight.double().abs().t()
     exact_bf16_x = xb.double() @ weight.double().t()
     assert ((got_bf16.double() - exact_bf16_x).abs() <= 2**-7 * magnitude + 1e-6).all()
-    if rows > 8 and kernels.variant == "avx512":
+    if rows > INTEGER_ROWS_MAX and kernels.variant == "avx512":
         dense_bf16 = xb.double() @ weight.bfloat16().double().t()
         bound = 2**-8 * dense_bf16.abs() + 1e-5 * magnitude.max()
         assert ((got_bf16.double() - dense_bf16).abs() <= bound).all()

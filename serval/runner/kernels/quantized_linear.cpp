@@ -28,6 +28,11 @@ using namespace serval_kernels::quantized;
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay in registers
+// Past kMaxRows the integer path goes on, in passes of kMaxRows over each group's codes (which stay in L1),
+// up to this many rows; more go to the tiles. Measured per call (bench/batch_matmul.py, Q4_0/Q4_1, AVX-512,
+// against the bf16 tiles): 2048 x 8192 at 9-16 rows 0.75-0.8x the time, 32 rows ~0.95x, 64 rows 1.05x;
+// 576-2048-wide matrices within the noise up to 32 rows and slower at 64.
+constexpr int64_t kIntegerRowsMax = 16;
 // How far ahead of its use a group's codes are asked for. The codes of consecutive groups are consecutive,
 // so this runs on into the next group a thread takes (or past the end: a prefetch never faults). The
 // hardware prefetchers alone read 18.7 GB/s on one core for a batch-1 decode's 120 matmuls (73 MB), with
@@ -51,7 +56,8 @@ inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
 // waits ~5 cycles per instruction: with a single chain a batch-1 decode ran at a quarter of the unit's rate,
 // far below memory speed.
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t first_row, float* out,
+                int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   constexpr int kOperands = T::kFourBit ? 4 : 2;  // per chunk
@@ -81,7 +87,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
         operand[1] = widen_s8(_mm512_extracti64x4_epi64(packed, 1));
       }
       for (int r = 0; r < R; ++r) {
-        const int16_t* xr = xq.codes.data() + r * K + s * T::kScaleWeights + 2 * kOperands * c;
+        const int16_t* xr = xq.codes.data() + (first_row + r) * K + s * T::kScaleWeights + 2 * kOperands * c;
         for (int o = 0; o < kOperands; ++o) {
           __m512i& chain = dots[r][(c * kOperands + o) % kChains];
           chain = _mm512_dpwssd_epi32(chain, operand[o], broadcast_pair(xr + 2 * o));
@@ -93,7 +99,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
     for (int r = 0; r < R; ++r) {
       __m512i dot = dots[r][0];
       for (int h = 1; h < kChains; ++h) dot = _mm512_add_epi32(dot, dots[r][h]);
-      const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
+      const int64_t i = (first_row + r) * x_blocks + s * T::kScaleWeights / kBlock;
       const __m512 dx = _mm512_mul_ps(_mm512_load_ps(d), _mm512_set1_ps(xq.scales[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
       if constexpr (T::kOffsets) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(m), _mm512_set1_ps(xq.sums[i]), acc[r]);
@@ -106,7 +112,8 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
 // a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
 // rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t first_row, float* out,
+                int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   constexpr int kOperands = T::kFourBit ? 4 : 2;  // weight pairs per chunk
@@ -140,7 +147,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
         const __m256i rows1 = T::kFourBit ? _mm256_cvtepu8_epi16(high) : _mm256_cvtepi8_epi16(high);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
-          std::memcpy(&pair, xq.codes.data() + r * K + s * T::kScaleWeights + 2 * (kOperands * c + o), 4);
+          std::memcpy(&pair, xq.codes.data() + (first_row + r) * K + s * T::kScaleWeights + 2 * (kOperands * c + o), 4);
           const __m256i x = _mm256_set1_epi32(pair);
           dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(rows0, x));
           dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(rows1, x));
@@ -152,7 +159,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
     for (int h = 0; h < 2; ++h) {
       const __m256 dh = _mm256_load_ps(d + 8 * h);
       for (int r = 0; r < R; ++r) {
-        const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
+        const int64_t i = (first_row + r) * x_blocks + s * T::kScaleWeights / kBlock;
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]), _mm256_mul_ps(dh, _mm256_set1_ps(xq.scales[i])), acc[r][h]);
         if constexpr (T::kOffsets)  // + m sum(x_b)
           acc[r][h] = _mm256_fmadd_ps(_mm256_load_ps(m + 8 * h), _mm256_set1_ps(xq.sums[i]), acc[r][h]);
@@ -167,7 +174,8 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
 #else
 // Portable: the same integer sums, one block unpacked at a time (the compiler vectorizes over the 16 rows).
 template <Layout L, int R>
-void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* out, int64_t out_stride) {
+void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t first_row, float* out,
+                int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
   const uint8_t* codes = w.codes + G * w.group_bytes;
@@ -178,8 +186,8 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
     float d[kGroup], m[kGroup];
     block_scales<L>(w, G, s, d, m);
     for (int r = 0; r < R; ++r) {
-      const int16_t* x = xq.codes.data() + r * K + s * T::kScaleWeights;
-      const int64_t i = r * x_blocks + s * T::kScaleWeights / kBlock;
+      const int16_t* x = xq.codes.data() + (first_row + r) * K + s * T::kScaleWeights;
+      const int64_t i = (first_row + r) * x_blocks + s * T::kScaleWeights / kBlock;
       int32_t dot[kGroup] = {};
       for (int k = 0; k < T::kScaleWeights; ++k)
         for (int n = 0; n < kGroup; ++n) dot[n] += static_cast<int32_t>(q[k][n]) * x[k];
@@ -193,7 +201,7 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, float* ou
 }
 #endif
 
-using GroupRows = void (*)(const PackedMatrix&, int64_t, const Int16Rows&, float*, int64_t);
+using GroupRows = void (*)(const PackedMatrix&, int64_t, const Int16Rows&, int64_t, float*, int64_t);
 
 template <Layout L>
 GroupRows group_rows_for(int64_t rows) {
@@ -272,8 +280,9 @@ torch::Tensor unpadded(const torch::Tensor& out, int64_t N, torch::ScalarType dt
 
 }  // namespace
 
-// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kMaxRows rows go
-// through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp (FMAs are).
+// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kIntegerRowsMax
+// rows go through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp
+// (FMAs are).
 // int8_batch_activations: more than kMaxRows rows of x go through quantized_int8.cpp where it has the layout
 // (x rounded to int8 per block, as llama.cpp does: faster, not exact). offsets and super_scales may be empty
 // (undefined in the DecodeStack): the layout has none. codes in fp16 or
@@ -295,30 +304,34 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   // Padded to whole groups; the padding columns are dropped by the narrow below.
   auto out = torch::empty({M, num_groups * kGroup}, x.options().dtype(torch::kFloat));
   float* op = out.data_ptr<float>();
-  const bool bf16_products = M > kMaxRows && x.scalar_type() == torch::kBFloat16 && has_bf16_tiles() &&
-                             !(int8_batch_activations && has_int8_rows(layout));
-  // The few-row path reads bf16 x as it is; the batch paths below take fp32 (a copy, over many rows).
-  const bool few_rows = M <= kMaxRows;
-  const auto xf = M == 0 || bf16_products || few_rows ? x.contiguous() : x.to(torch::kFloat).contiguous();
+  const bool int8_rows = int8_batch_activations && has_int8_rows(layout);  // asked for past kMaxRows
+  const bool integer_rows = M <= kMaxRows || (M <= kIntegerRowsMax && !int8_rows);
+  const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == torch::kBFloat16 && has_bf16_tiles();
+  // The integer path reads bf16 x as it is; the tile paths below take fp32 (a copy, over many rows).
+  const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(torch::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
-  } else if (bf16_products) {
-    const auto xb = x.contiguous();
-    matmul_bf16_tiles(xb.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
-  } else if (M > kMaxRows && int8_batch_activations && has_int8_rows(layout)) {
-    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
-  } else if (M > kMaxRows) {
-    matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
-  } else {
+  } else if (integer_rows) {
     TORCH_CHECK(xf.scalar_type() == torch::kFloat || xf.scalar_type() == torch::kBFloat16, "x: fp32 or bf16");
     const Int16Rows xq = xf.scalar_type() == torch::kFloat
                              ? quantize_rows<int16_t>(xf.data_ptr<float>(), M, K)
                              : quantize_rows<int16_t>(xf.data_ptr<at::BFloat16>(), M, K);
-    const GroupRows run = group_rows_for(layout, M);
+    // Rows in passes of kMaxRows over each group, whose codes stay in L1 between passes.
+    const GroupRows run_full = group_rows_for(layout, kMaxRows), run_rest = group_rows_for(layout, M % kMaxRows);
+    const int64_t ldo = out.size(1);
     // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
     parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
-      for (int64_t G = begin; G < end; ++G) run(w, G, xq, op + G * kGroup, out.size(1));
+      for (int64_t G = begin; G < end; ++G)
+        for (int64_t r = 0; r < M; r += kMaxRows)
+          (M - r >= kMaxRows ? run_full : run_rest)(w, G, xq, r, op + r * ldo + G * kGroup, ldo);
     });
+  } else if (bf16_products) {
+    const auto xb = x.contiguous();
+    matmul_bf16_tiles(xb.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
+  } else if (int8_rows) {
+    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+  } else {
+    matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   }
   return unpadded(out, N, x.scalar_type());
 }
