@@ -20,7 +20,7 @@ from typing import Any
 
 from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
-from serval.server_config import ServerConfig, lora_root_directory, read_mindie_config
+from serval.server_config import CorsConfig, ServerConfig, lora_root_directory, read_mindie_config
 from serval.serving.chat_template import ChatTemplate
 from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
@@ -52,6 +52,52 @@ def lora_module(text: str) -> LoraModule:
         return LoraModule(name.strip(), path.strip())
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
+
+
+def json_list(text: str) -> list[str]:
+    """vLLM's spelling of --allowed-origins and its siblings: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of strings, e.g. '[\"https://app.example\"]', got {text!r}"
+        )
+    return value
+
+
+def _add_cors_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-origins", type=json_list, metavar="JSON",
+        help='turn CORS on for these origins: a JSON list, e.g. \'["https://app.example"]\' or \'["*"]\' (default: off)',
+    )  # fmt: skip
+    p.add_argument("--allowed-methods", type=json_list, metavar="JSON", help='CORS methods (default ["*"])')
+    p.add_argument(
+        "--allowed-headers", type=json_list, metavar="JSON", help='CORS request headers (default ["*"])'
+    )
+    p.add_argument(
+        "--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
+        help="CORS: let browsers send credentials (never with the origin *)",
+    )  # fmt: skip
+
+
+def cors_config(options: dict[str, Any]) -> CorsConfig | None:
+    """The CORS settings, or None (off) when no origin is given; the other CORS options need one."""
+    if "allowed_origins" not in options:
+        orphans = [
+            name for name in ("allowed_methods", "allowed_headers", "allow_credentials") if options.get(name)
+        ]
+        if orphans:
+            raise ValueError(
+                f"--{orphans[0].replace('_', '-')} needs --allowed-origins (CORS is off without it)"
+            )
+        return None
+    return CorsConfig(
+        tuple(options["allowed_origins"]),
+        **{name: tuple(options[name]) for name in ("allowed_methods", "allowed_headers") if name in options},
+        allow_credentials=bool(options.get("allow_credentials")),
+    )
 
 
 def _add_lora_options(p: argparse.ArgumentParser) -> None:
@@ -153,6 +199,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    _add_cors_options(p)
     _add_lora_options(p)
 
 
@@ -222,6 +269,7 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     fields["api_keys"] = tuple(options.get("api_key") or ())
     fields["admin_api_keys"] = tuple(options.get("admin_api_key") or ())
     fields["lora_root"] = lora_root_directory(options.get("lora_root"))
+    fields["cors"] = cors_config(options)
     for module in options.get("lora_modules") or ():
         if module.name in fields["served_model_names"]:
             raise ValueError(f"the LoRA module {module.name!r} has the base model's name")

@@ -3,8 +3,8 @@
 Owns the assembly only: one ServerContext (config, Frontend, metrics) shared by the route modules
 (generation_routes.py: chat and completions; info_routes.py: models, tokenize, metrics, version;
 lora_routes.py: adapters at run time), the error handlers (errors.py: every failure in the OpenAI error
-shape), and the middleware in order: status counting, API keys, the shutdown gate. Everything the app needs
-comes in through build_app; there is no module state.
+shape), and the middleware in order: status counting, CORS when configured (cors.py), API keys, the shutdown
+gate. Everything the app needs comes in through build_app; there is no module state.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from serval.api.auth import APIKeyAuth
 from serval.api.context import ServerContext
+from serval.api.cors import CORS
 from serval.api.errors import install_error_handlers
 from serval.api.generation_routes import add_generation_routes
 from serval.api.info_routes import add_info_routes
@@ -46,10 +47,14 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     add_lora_routes(app, config, frontend)
     app.state.metrics = ctx.metrics
     app.state.frontend = frontend
-    # Outermost first: count every status (401s included), authenticate, then refuse while shutting down.
+    # Outermost first: count every status (401s included), answer preflights and grant origins (before
+    # authentication: a preflight carries no key; a 401 carries the grant so a page can read it),
+    # authenticate, then refuse while shutting down.
     app.add_middleware(DrainGate, drain=frontend.drain)
     app.add_middleware(
         APIKeyAuth, api_keys=config.api_keys, admin_keys=config.admin_api_keys, admin_paths=ADMIN_PATHS
     )
+    if config.cors is not None:
+        app.add_middleware(CORS, config=config.cors)
     app.add_middleware(StatusCounter, metrics=ctx.metrics, known_paths=ROUTES)
     return app

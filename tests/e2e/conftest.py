@@ -124,6 +124,27 @@ def deploy_server(_servers) -> Server:
     return server
 
 
+# The browser-facing server: an API key, CORS for one origin with credentials (the playground, serval chat and
+# the CORS tests share it). Started on first use only.
+KEYED_API_KEY = "playground-key"
+KEYED_ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory) -> Server:
+    directory = tmp_path_factory.mktemp("keyed-server")
+    args = ["--api-key", KEYED_API_KEY, "--allowed-origins", json.dumps([KEYED_ORIGIN]), "--allow-credentials",
+            "--dtype", "float32"]  # fmt: skip
+    server = launch(args, str(directory / "keyed.log"))
+    try:
+        server.wait_ready()
+        headers = {"Authorization": f"Bearer {KEYED_API_KEY}"}
+        server.model = httpx.get(f"{server.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def openai_client(server):
     from openai import OpenAI
