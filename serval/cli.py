@@ -9,7 +9,6 @@ defaults of the config dataclasses, a MindIE-style config.json given with --conf
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -302,50 +301,67 @@ def max_seqs_per_request(options: dict[str, Any]) -> int:
     return cap
 
 
-def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+def start_engine(engine: EngineConfig, source: ModelSource):
+    """The tokenizer and the running engine of `source`; exits with one line when the model can't load."""
     # Heavy imports here: `serval --help` and config errors stay fast.
-    from serval.api.app import build_app
-    from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
-    from serval.serving.frontend import Frontend
-    from serval.serving.grammar_pool import GrammarLimits
     from serval.serving.tokenizer import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_source(source)
-        client = EngineClient.start(engine)
+        return Tokenizer.from_source(source), EngineClient.start(engine)
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
         # A corrupt file, an unknown architecture or quantization type: one line, not a traceback.
         sys.exit(f"serval: error: cannot load the model {source.path}: {e}")
+
+
+def build_frontend_app(server: ServerConfig, tokenizer, client):
+    """The Frontend over a running engine, and the app that serves it."""
+    from serval.api.app import build_app
+    from serval.serving.frontend import Frontend
+    from serval.serving.grammar_pool import GrammarLimits
+
+    frontend = Frontend(
+        client,
+        tokenizer,
+        server.chat_template,
+        server.max_input_tokens,
+        server.max_iter_times,
+        tool_call_format=server.tool_call_parser,
+        max_seqs_per_request=server.max_seqs_per_request,
+        grammar_limits=GrammarLimits(
+            server.grammar_compile_timeout,
+            server.grammar_compile_memory_bytes,
+            server.grammar_compile_workers,
+        ),
+    )
+    return frontend, build_app(server, frontend)
+
+
+def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+    from serval.api.shutdown import STARTUP_FAILURE, run
+    from serval.lifetime import freeze_long_lived_objects
+
+    tokenizer, client = start_engine(engine, source)
     try:
-        frontend = Frontend(
-            client,
-            tokenizer,
-            server.chat_template,
-            server.max_input_tokens,
-            server.max_iter_times,
-            tool_call_format=server.tool_call_parser,
-            max_seqs_per_request=server.max_seqs_per_request,
-            grammar_limits=GrammarLimits(
-                server.grammar_compile_timeout,
-                server.grammar_compile_memory_bytes,
-                server.grammar_compile_workers,
-            ),
-        )
-        app = build_app(server, frontend)
-        # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out
-        # of the collector's reach, its full passes no longer walk them in the middle of engine steps.
-        gc.freeze()
+        frontend, app = build_frontend_app(server, tokenizer, client)
+        freeze_long_lived_objects()
         scheme = "https" if server.ssl_certfile else "http"
         logger = logging.getLogger("serval")
-        # One line that says what runs and how (weights, dtype, kernel variant, KV cache), so a slow report
-        # names its code path; /version and the serval_model_info metric say the same.
-        logger.info("model %s: %s", server.model_name, client.runner_info.describe())
-        logger.info("serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port)
-        if not run(app, server, frontend):
+
+        def started() -> None:
+            # The one start-up line, once the port is bound: what runs and how (weights, dtype, kernel variant,
+            # threads, KV cache, concurrency) and where, so a slow report names its code path; /version and
+            # the serval_model_info metric say the same.
+            logger.info(
+                "model %s: %s, up to %d sequences at once, serving on %s://%s:%d",
+                server.model_name, client.runner_info.describe(), engine.scheduler.max_num_seqs,
+                scheme, server.host, server.port,
+            )  # fmt: skip
+
+        if not run(app, server, frontend, on_started=started):
             sys.exit(STARTUP_FAILURE)  # the port is taken, ...: uvicorn logged why
     finally:
         client.shutdown()
