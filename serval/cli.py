@@ -3,7 +3,8 @@ here and nowhere else.
 
 Owns turning options into frozen configs. Options come in three layers, later ones winning: the built-in
 defaults of the config dataclasses, a MindIE-style config.json given with --config, and the flags themselves
-(spelled as vLLM spells them). docs/configuration.md lists every option.
+(spelled as vLLM spells them). docs/configuration.md lists every option. `serval chat` and `serval complete`
+are terminal_chat.py's (its add_parsers defines their options).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, Mod
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import CorsConfig, ServerConfig, lora_root_directory, read_mindie_config
 from serval.serving.chat_template import ChatTemplate
-from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -123,6 +123,9 @@ def _add_lora_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(subparsers: Any) -> None:
+    # NOTE: imported here: it imports the engine and torch (~2 s), which `serval chat` never needs.
+    from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
+
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     p.add_argument("--config", help="a MindIE-style config.json; flags override its values")
@@ -202,10 +205,15 @@ def _add_serve_parser(subparsers: Any) -> None:
     _add_lora_options(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; without `serve` (for `serval chat` and `complete`) it needs no model code."""
+    from serval import terminal_chat
+
     parser = argparse.ArgumentParser(prog="serval", description="An LLM inference server.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_serve_parser(subparsers)
+    if with_serve:
+        _add_serve_parser(subparsers)
+    terminal_chat.add_parsers(subparsers)  # `chat` and `complete`
     return parser
 
 
@@ -368,9 +376,21 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(with_serve=argv[:1] not in (["chat"], ["complete"]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if args.command in ("chat", "complete"):
+        from serval import terminal_chat
+
+        # Quiet but for what a first start must explain (the kernel compile, a slow weight load).
+        logging.basicConfig(level=logging.WARNING, format=log_format)
+        for name in ("serval.runner.kernels", "serval.progress"):
+            logging.getLogger(name).setLevel(logging.INFO)
+        if args.api_key is None and os.environ.get("SERVAL_API_KEY"):
+            args.api_key = os.environ["SERVAL_API_KEY"].split(",")[0]
+        sys.exit(terminal_chat.main(args))
+    logging.basicConfig(level=logging.INFO, format=log_format)
     if args.command == "serve":
         # Everything is validated, and the model found, before the model loads.
         try:

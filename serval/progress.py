@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from tqdm import tqdm
 
-logger = logging.getLogger("serval")
+logger = logging.getLogger("serval.progress")
 
 LOG_INTERVAL_S = 10.0
 

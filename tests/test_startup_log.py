@@ -39,7 +39,7 @@ def test_the_first_compile_is_announced_with_the_cpu_features(monkeypatch, caplo
 
 
 def test_logged_progress_says_how_far_and_how_long(caplog):
-    with caplog.at_level(logging.INFO, logger="serval"):
+    with caplog.at_level(logging.INFO, logger="serval.progress"):
         items = list(LoggedProgress(["a", "b", "c"], None, "loading weights", "tensor", interval_s=0.0))
     assert items == ["a", "b", "c"]
     lines = [r.getMessage() for r in caplog.records]
@@ -50,7 +50,10 @@ def test_logged_progress_says_how_far_and_how_long(caplog):
 
 
 def test_quick_work_says_nothing(caplog):
-    with caplog.at_level(logging.INFO, logger="serval"), LoggedProgress(None, 5, "weights", "tensor") as bar:
+    with (
+        caplog.at_level(logging.INFO, logger="serval.progress"),
+        LoggedProgress(None, 5, "weights", "tensor") as bar,
+    ):
         for _ in range(5):
             bar.update(1)
     assert caplog.records == []
