@@ -3,13 +3,13 @@ environment variables) are read here and nowhere else.
 
 Owns turning options into frozen configs. Options come in three layers, later ones winning: the built-in
 defaults of the config dataclasses, a MindIE-style config.json given with --config, and the flags themselves
-(spelled as vLLM spells them). docs/configuration.md lists every option.
+(spelled as vLLM spells them). docs/configuration.md lists every option. `serval chat` and `serval complete`
+are terminal_chat.py's (its add_parsers defines their options).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -20,9 +20,14 @@ from typing import Any
 
 from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
-from serval.server_config import ServerConfig, lora_root_directory, read_mindie_config, split_domains
+from serval.server_config import (
+    CorsConfig,
+    ServerConfig,
+    lora_root_directory,
+    read_mindie_config,
+    split_domains,
+)
 from serval.serving.chat_template import ChatTemplate
-from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -52,6 +57,52 @@ def lora_module(text: str) -> LoraModule:
         return LoraModule(name.strip(), path.strip())
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
+
+
+def json_list(text: str) -> list[str]:
+    """vLLM's spelling of --allowed-origins and its siblings: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of strings, e.g. '[\"https://app.example\"]', got {text!r}"
+        )
+    return value
+
+
+def _add_cors_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-origins", type=json_list, metavar="JSON",
+        help='turn CORS on for these origins: a JSON list, e.g. \'["https://app.example"]\' or \'["*"]\' (default: off)',
+    )  # fmt: skip
+    p.add_argument("--allowed-methods", type=json_list, metavar="JSON", help='CORS methods (default ["*"])')
+    p.add_argument(
+        "--allowed-headers", type=json_list, metavar="JSON", help='CORS request headers (default ["*"])'
+    )
+    p.add_argument(
+        "--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
+        help="CORS: let browsers send credentials (never with the origin *)",
+    )  # fmt: skip
+
+
+def cors_config(options: dict[str, Any]) -> CorsConfig | None:
+    """The CORS settings, or None (off) when no origin is given; the other CORS options need one."""
+    if "allowed_origins" not in options:
+        orphans = [
+            name for name in ("allowed_methods", "allowed_headers", "allow_credentials") if options.get(name)
+        ]
+        if orphans:
+            raise ValueError(
+                f"--{orphans[0].replace('_', '-')} needs --allowed-origins (CORS is off without it)"
+            )
+        return None
+    return CorsConfig(
+        tuple(options["allowed_origins"]),
+        **{name: tuple(options[name]) for name in ("allowed_methods", "allowed_headers") if name in options},
+        allow_credentials=bool(options.get("allow_credentials")),
+    )
 
 
 def _add_lora_options(p: argparse.ArgumentParser) -> None:
@@ -95,6 +146,9 @@ def _add_media_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(subparsers: Any) -> None:
+    # NOTE: imported here: it imports the engine and torch (~2 s), which `serval chat` never needs.
+    from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
+
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     p.add_argument("--config", help="a MindIE-style config.json; flags override its values")
@@ -170,14 +224,20 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    _add_cors_options(p)
     _add_lora_options(p)
     _add_media_options(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; without `serve` (for `serval chat` and `complete`) it needs no model code."""
+    from serval import terminal_chat
+
     parser = argparse.ArgumentParser(prog="serval", description="An LLM inference server.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_serve_parser(subparsers)
+    if with_serve:
+        _add_serve_parser(subparsers)
+    terminal_chat.add_parsers(subparsers)  # `chat` and `complete`
     return parser
 
 
@@ -246,6 +306,7 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     fields["api_keys"] = tuple(options.get("api_key") or ())
     fields["admin_api_keys"] = tuple(options.get("admin_api_key") or ())
     fields["lora_root"] = lora_root_directory(options.get("lora_root"))
+    fields["cors"] = cors_config(options)
     for module in options.get("lora_modules") or ():
         if module.name in fields["served_model_names"]:
             raise ValueError(f"the LoRA module {module.name!r} has the base model's name")
@@ -278,66 +339,95 @@ def max_seqs_per_request(options: dict[str, Any]) -> int:
     return cap
 
 
-def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+def start_engine(engine: EngineConfig, source: ModelSource):
+    """The tokenizer and the running engine of `source`; exits with one line when the model can't load."""
     # Heavy imports here: `serval --help` and config errors stay fast.
-    from serval.api.app import build_app
-    from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
-    from serval.serving.frontend import Frontend
-    from serval.serving.grammar_pool import GrammarLimits
-    from serval.serving.media.limits import media_config
     from serval.serving.tokenizer import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_source(source)
-        client = EngineClient.start(engine)
+        return Tokenizer.from_source(source), EngineClient.start(engine)
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
         # A corrupt file, an unknown architecture or quantization type: one line, not a traceback.
         sys.exit(f"serval: error: cannot load the model {source.path}: {e}")
+
+
+def build_frontend_app(server: ServerConfig, tokenizer, client):
+    """The Frontend over a running engine, and the app that serves it."""
+    from serval.api.app import build_app
+    from serval.serving.frontend import Frontend
+    from serval.serving.grammar_pool import GrammarLimits
+    from serval.serving.media.limits import media_config
+
+    frontend = Frontend(
+        client,
+        tokenizer,
+        server.chat_template,
+        server.max_input_tokens,
+        server.max_iter_times,
+        tool_call_format=server.tool_call_parser,
+        max_seqs_per_request=server.max_seqs_per_request,
+        grammar_limits=GrammarLimits(
+            server.grammar_compile_timeout,
+            server.grammar_compile_memory_bytes,
+            server.grammar_compile_workers,
+        ),
+        media_config=media_config(
+            server.allowed_local_media_path,
+            server.allowed_media_domains,
+            server.max_concurrent_media_fetches,
+            server.media_fetch_timeout,
+        ),
+    )
+    return frontend, build_app(server, frontend)
+
+
+def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+    from serval.api.shutdown import STARTUP_FAILURE, run
+    from serval.lifetime import freeze_long_lived_objects
+
+    tokenizer, client = start_engine(engine, source)
     try:
-        frontend = Frontend(
-            client,
-            tokenizer,
-            server.chat_template,
-            server.max_input_tokens,
-            server.max_iter_times,
-            tool_call_format=server.tool_call_parser,
-            max_seqs_per_request=server.max_seqs_per_request,
-            grammar_limits=GrammarLimits(
-                server.grammar_compile_timeout,
-                server.grammar_compile_memory_bytes,
-                server.grammar_compile_workers,
-            ),
-            media_config=media_config(
-                server.allowed_local_media_path,
-                server.allowed_media_domains,
-                server.max_concurrent_media_fetches,
-                server.media_fetch_timeout,
-            ),
-        )
-        app = build_app(server, frontend)
-        # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out
-        # of the collector's reach, its full passes no longer walk them in the middle of engine steps.
-        gc.freeze()
+        frontend, app = build_frontend_app(server, tokenizer, client)
+        freeze_long_lived_objects()
         scheme = "https" if server.ssl_certfile else "http"
         logger = logging.getLogger("serval")
-        # One line that says what runs and how (weights, dtype, kernel variant, KV cache), so a slow report
-        # names its code path; /version and the serval_model_info metric say the same.
-        logger.info("model %s: %s", server.model_name, client.runner_info.describe())
-        logger.info("serving %s on %s://%s:%d", server.model_name, scheme, server.host, server.port)
-        if not run(app, server, frontend):
+
+        def started() -> None:
+            # The one start-up line, once the port is bound: what runs and how (weights, dtype, kernel variant,
+            # threads, KV cache, concurrency) and where, so a slow report names its code path; /version and
+            # the serval_model_info metric say the same.
+            logger.info(
+                "model %s: %s, up to %d sequences at once, serving on %s://%s:%d",
+                server.model_name, client.runner_info.describe(), engine.scheduler.max_num_seqs,
+                scheme, server.host, server.port,
+            )  # fmt: skip
+
+        if not run(app, server, frontend, on_started=started):
             sys.exit(STARTUP_FAILURE)  # the port is taken, ...: uvicorn logged why
     finally:
         client.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(with_serve=argv[:1] not in (["chat"], ["complete"]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if args.command in ("chat", "complete"):
+        from serval import terminal_chat
+
+        # Quiet but for what a first start must explain (the kernel compile, a slow weight load).
+        logging.basicConfig(level=logging.WARNING, format=log_format)
+        for name in ("serval.runner.kernels", "serval.progress"):
+            logging.getLogger(name).setLevel(logging.INFO)
+        if args.api_key is None and os.environ.get("SERVAL_API_KEY"):
+            args.api_key = os.environ["SERVAL_API_KEY"].split(",")[0]
+        sys.exit(terminal_chat.main(args))
+    logging.basicConfig(level=logging.INFO, format=log_format)
     if args.command == "serve":
         # Everything is validated, and the model found, before the model loads.
         try:

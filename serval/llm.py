@@ -9,7 +9,6 @@ reason, usage and refusal message here as through the HTTP API.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -17,6 +16,7 @@ from tqdm import tqdm
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
 from serval.engine.outputs import TokenLogprob
+from serval.lifetime import freeze_long_lived_objects
 from serval.sampling import SamplingParams
 from serval.serving.errors import from_engine
 from serval.serving.generation import GenerationRequest, PromptRules
@@ -87,7 +87,7 @@ class LLM:
         # sequence limit): the context alone bounds a prompt and its answer.
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
-        gc.freeze()  # the model's long-lived objects leave the collector's passes (as in `serval serve`)
+        freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
 
     def generate(
         self,

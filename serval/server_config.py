@@ -17,6 +17,56 @@ from serval.config import LoraModule
 MIB = 1 << 20
 GIB = 1 << 30
 
+# Request headers a browser may send cross-origin without the server naming them (the Fetch standard's
+# CORS-safelisted names; application/json as Content-Type still needs the preflight to allow the name).
+SAFELISTED_HEADERS = frozenset({"accept", "accept-language", "content-language", "content-type"})
+
+
+@dataclass(frozen=True)
+class CorsConfig:
+    """Cross-origin access for browsers (api/cors.py), spelled as vLLM's flags. Only exists when origins are
+    configured: CORS is off by default."""
+
+    # Exact origins ("https://app.example", scheme://host[:port], no path), or ("*",): any origin.
+    allowed_origins: tuple[str, ...]
+    # Methods and request headers a preflight may ask for; "*": whichever it asks (answered by naming them,
+    # since browsers do not honour a literal * in credentialed requests).
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    # Access-Control-Allow-Credentials: browsers then send cookies and HTTP auth and let the page read the
+    # answer. Never with the wildcard origin: any site could then act with a visitor's credentials.
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.allowed_origins:
+            raise ValueError('allowed_origins must name at least one origin (or be ["*"])')
+        for origin in self.allowed_origins:
+            if origin != "*" and not _is_origin(origin):
+                raise ValueError(
+                    f"allowed origin {origin!r} is not an origin: scheme://host[:port] with no path or "
+                    "trailing slash, e.g. https://app.example"
+                )
+        if "*" in self.allowed_origins and len(self.allowed_origins) > 1:
+            raise ValueError('allowed_origins: "*" already allows every origin; give it alone')
+        if "*" in self.allowed_origins and self.allow_credentials:
+            raise ValueError(
+                'allow_credentials with the origin "*" would let any web site send requests with a '
+                "visitor's credentials and read the answers; list the origins that may (--allowed-origins "
+                "'[\"https://app.example\"]')"
+            )
+        for kind, values in (("methods", self.allowed_methods), ("headers", self.allowed_headers)):
+            if not values or any(not v or any(c in v for c in " ,") for v in values):
+                raise ValueError(f"allowed_{kind} must be a non-empty list of names without spaces or commas")
+
+    @property
+    def allows_any_origin(self) -> bool:
+        return self.allowed_origins == ("*",)
+
+
+def _is_origin(text: str) -> bool:
+    scheme, sep, authority = text.partition("://")
+    return bool(scheme and sep and authority) and "/" not in authority and " " not in text
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -71,6 +121,9 @@ class ServerConfig:
     max_concurrent_media_fetches: int = 8
     media_fetch_timeout: float = 60.0
     log_level: str = "info"
+    # Cross-origin access for browsers; None: off (no CORS headers; a preflight is an OPTIONS request like
+    # any other: 405, or 401 without a key when keys are configured).
+    cors: CorsConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -152,6 +205,15 @@ def _typed(section: dict[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
+def _string_list(section: dict[str, Any], key: str, where: str) -> list[str] | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"config file: {where}.{key} must be a list of strings, got {value!r}")
+    return value
+
+
 def _relative_to(base_dir: str, path: str | None) -> str | None:
     if path is None or os.path.isabs(path):
         return path
@@ -183,6 +245,11 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         "full_text_enabled": _typed(server, "fullTextEnabled", bool, "ServerConfig"),
         "request_timeout": _typed(server, "e2eTimeout", float, "ServerConfig"),
         "shutdown_grace_seconds": _typed(server, "shutdownGraceSeconds", float, "ServerConfig"),
+        # Not MindIE keys: CORS (vLLM's --allowed-origins, ...), spelled as MindIE spells its keys.
+        "allowed_origins": _string_list(server, "allowedOrigins", "ServerConfig"),
+        "allowed_methods": _string_list(server, "allowedMethods", "ServerConfig"),
+        "allowed_headers": _string_list(server, "allowedHeaders", "ServerConfig"),
+        "allow_credentials": _typed(server, "allowCredentials", bool, "ServerConfig"),
         "max_model_len": _typed(deploy, "maxSeqLen", int, "ModelDeployConfig"),
         "max_input_tokens": _typed(deploy, "maxInputTokenLen", int, "ModelDeployConfig"),
         "max_num_seqs": _typed(schedule, "maxBatchSize", int, "ScheduleConfig"),

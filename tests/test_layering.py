@@ -33,6 +33,6 @@ def test_no_upward_imports():
 
 
 def test_leaf_modules_import_no_layer():
-    for leaf in ("config.py", "sampling.py", "model_source.py"):
+    for leaf in ("config.py", "sampling.py", "model_source.py", "progress.py", "lifetime.py"):
         for name in _imports(ROOT / leaf):
             assert not any(name.startswith(f"serval.{layer}") for layer in LAYERS), (leaf, name)

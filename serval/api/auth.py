@@ -1,5 +1,6 @@
-"""API-key authentication: `Authorization: Bearer <key>` on every route but /health, and admin keys on the
-admin routes (run-time LoRA loading).
+"""API-key authentication: `Authorization: Bearer <key>` on every route but the open ones (/health, and the
+playground's page and assets, given by build_app), and admin keys on the admin routes (run-time LoRA
+loading). Open paths are exact: nothing below one is open.
 
 An admin key is also accepted wherever an API key is. Admin routes are open only when no key of either kind
 is configured (a server without keys trusts its network); once any key is, they need an admin key: 401
@@ -40,14 +41,16 @@ class APIKeyAuth:
         api_keys: tuple[str, ...],
         admin_keys: tuple[str, ...] = (),
         admin_paths: frozenset[str] = frozenset(),
+        open_paths: frozenset[str] = OPEN_PATHS,
     ) -> None:
         self.app = app
         self.api_keys = api_keys
         self.admin_keys = admin_keys
         self.admin_paths = admin_paths
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = None

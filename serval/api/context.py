@@ -14,6 +14,7 @@ from serval.api.body import read_body
 from serval.api.errors import APIError, shown
 from serval.api.metrics import Metrics
 from serval.api.version import model_facts
+from serval.api.vllm_metrics import cache_config_labels
 from serval.server_config import ServerConfig
 from serval.serving.frontend import Frontend
 from serval.serving.template_roles import accepted_roles
@@ -38,7 +39,7 @@ class ServerContext:
             config,
             frontend,
             facts,
-            Metrics(frontend.stats, facts),
+            Metrics(frontend.stats, facts, cache_config_labels(frontend.runner_info)),
             accepted_roles(frontend.template_source),
             min(frontend.tokenizer.vocab_size, frontend.runner_info.vocab_size),
         )

@@ -25,13 +25,13 @@ from serval.api.chat_options import chat_options
 from serval.api.context import ServerContext
 from serval.api.errors import APIError
 from serval.api.media_parts import chat_media_parts
-from serval.api.metrics import Metrics
+from serval.api.metrics import RequestObserver
 from serval.api.openai import ChatCompletionRequest, CompletionRequest
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
 from serval.serving.chat import ChatPrompt
 from serval.serving.generation import GenerationRequest
-from serval.serving.stream import ChoiceDelta, Completion, Event, Usage
+from serval.serving.stream import Completion
 
 T = TypeVar("T")
 
@@ -62,29 +62,11 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
-class Observer:
-    """Feeds one request's events into the metrics: time to first token, token counts, latency."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.arrival = time.monotonic()
-        self.is_first = True
-
-    def __call__(self, event: Event) -> None:
-        if self.is_first and isinstance(event, ChoiceDelta) and event.token_ids:
-            self.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
-            self.is_first = False
-        elif isinstance(event, Usage):
-            self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
-            self.metrics.generation_tokens.inc(event.num_completion_tokens)
-            self.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
-
-
 async def respond(
     ctx: ServerContext,
     request: Request,
     generation: GenerationRequest,
-    observer: Observer,
+    observer: RequestObserver,
     fmt: StreamFormat,
     is_stream: bool,
     build: Callable[[Completion], dict[str, Any]],
@@ -93,19 +75,26 @@ async def respond(
     try:
         if not is_stream:
             result = frontend.result(generation, timeout, observer)
-            return JSONResponse(build(await until_disconnected(request, result)))
+            try:
+                return JSONResponse(build(await until_disconnected(request, result)))
+            except ClientGone:
+                observer.abandon()
+                raise
         events = frontend.events(generation, timeout, observer)
         try:
             # The first event comes before the headers, so a full queue or a refused prompt is still a
             # proper 4xx and not an error inside a 200 stream.
             first = await until_disconnected(request, anext(events))
         except ClientGone:
+            observer.abandon()
             raise  # NOTE: no aclose: the cancelled task may still be inside the generator; it closes it
         except Exception:
             await events.aclose()
             raise
         return StreamingResponse(
-            stream_events(first, events, fmt), media_type="text/event-stream", headers=SSE_HEADERS
+            stream_events(first, events, fmt, on_close=observer.abandon),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
     except ClientGone:
         # The cancelled task already closed the generation (its engine requests are aborted).
@@ -117,7 +106,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        observer = Observer(ctx.metrics)
+        observer = RequestObserver(ctx.metrics)
         chat = parse(ChatCompletionRequest, await ctx.body(request))
         model = ctx.check_model(chat.model)
         req.check_chat_features(chat)
@@ -153,7 +142,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        observer = Observer(ctx.metrics)
+        observer = RequestObserver(ctx.metrics)
         body = parse(CompletionRequest, await ctx.body(request))
         model = ctx.check_model(body.model)
         if body.suffix:

@@ -4,11 +4,14 @@ in tests, must not share or clash).
 Owns the counters the HTTP layer observes (requests by status, prompt and generated tokens, time to first token,
 end-to-end latency), a collector that reads the engine's gauges (running and waiting requests, KV-cache use,
 prefix-cache hits) at scrape time, so they are never stale, and the `serval_model_info` gauge: always 1, its
-labels say what is served and how (api/version.py), so a dashboard can join them to any other series.
+labels say what is served and how (api/version.py), so a dashboard can join them to any other series. The
+same measurements under vLLM's names live beside them on the same registry (api/vllm_metrics.py); one
+RequestObserver per request feeds both from the request's events.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serval.api.vllm_metrics import VllmMetrics
 from serval.engine.client import EngineStats
+from serval.serving.stream import ChoiceDelta, Event
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -64,7 +69,14 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats], model_facts: Mapping[str, object]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_facts: Mapping[str, object],
+        cache_labels: Mapping[str, str] | None = None,
+    ) -> None:
+        """model_facts: api/version.py's (its `model` and `max_model_len` also name and size the vLLM series);
+        cache_labels: vllm:cache_config_info's labels (vllm_metrics.cache_config_labels)."""
         self.registry = CollectorRegistry(auto_describe=True)
         # Info-style (as vLLM's cache_config_info): the facts are fixed at start-up, so set once.
         model_info = Gauge(
@@ -91,9 +103,80 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(EngineCollector(stats))
+        self.vllm = VllmMetrics(
+            self.registry,
+            stats,
+            str(model_facts["model"]),
+            int(model_facts["max_model_len"]),  # type: ignore[call-overload]
+            dict(cache_labels or {}),
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestObserver:
+    """Feeds one generation request's events into both sets of metrics: time to first token, the gaps between
+    a sequence's tokens, token counts, finished sequences by reason, latency. `abandon` counts the sequences
+    still unfinished when the request ends without its usage (the client left, or it failed mid-way)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.is_first = True
+        self.last_token_time: dict[int, float] = {}  # per choice index: when its latest tokens came
+        self.unfinished: set[int] = set()  # choices seen and not finished
+        self.num_finished = 0
+        self.num_generated = 0  # tokens already counted into vllm:generation_tokens
+        self.is_done = False  # the usage came, or abandon() counted what was left
+
+    def __call__(self, event: Event) -> None:
+        now = time.monotonic()
+        if isinstance(event, ChoiceDelta):
+            self._delta(event, now)
+            return
+        metrics, vllm = self.metrics, self.metrics.vllm
+        metrics.prompt_tokens.inc(event.num_prompt_tokens)
+        metrics.generation_tokens.inc(event.num_completion_tokens)
+        metrics.e2e_latency.observe(now - self.arrival)
+        vllm.prompt_tokens.inc(event.num_prompt_tokens)
+        # Counted as they came; the usage is the last word (a beam search reports its beams only at the end).
+        vllm.generation_tokens.inc(max(0, event.num_completion_tokens - self.num_generated))
+        vllm.e2e_latency.observe(now - self.arrival)
+        vllm.request_prompt_tokens.observe(event.num_prompt_tokens)
+        vllm.request_generation_tokens.observe(event.num_completion_tokens)
+        self.is_done = True
+
+    def _delta(self, delta: ChoiceDelta, now: float) -> None:
+        vllm = self.metrics.vllm
+        num_tokens = len(delta.token_ids)
+        if num_tokens:
+            if self.is_first:
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+                vllm.time_to_first_token.observe(now - self.arrival)
+                self.is_first = False
+            previous = self.last_token_time.get(delta.index)
+            if previous is not None:
+                vllm.token_gap(now - previous, num_tokens)
+            self.last_token_time[delta.index] = now
+            vllm.generation_tokens.inc(num_tokens)
+            self.num_generated += num_tokens
+        if delta.finish_reason is None:
+            self.unfinished.add(delta.index)
+        else:
+            self.unfinished.discard(delta.index)
+            self.num_finished += 1
+            vllm.finished(delta.finish_reason)
+
+    def abandon(self) -> None:
+        """The request ended without its usage: each choice still unfinished was aborted (one, when none had
+        begun)."""
+        if self.is_done:
+            return
+        self.is_done = True
+        num_aborted = len(self.unfinished) or (0 if self.num_finished else 1)
+        if num_aborted:
+            self.metrics.vllm.finished("abort", num_aborted)
 
 
 class StatusCounter:

@@ -14,7 +14,7 @@ import contextlib
 import math
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,10 +48,22 @@ class DrainGate:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, draining the Frontend when it shuts down and exiting normally after a signal."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, grace_seconds: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Drain,
+        grace_seconds: float,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain = drain
         self.grace_seconds = grace_seconds
+        self.on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:  # listening: the address in a log line is true now
+            self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
         # Called once the main loop has seen the signal; uvicorn then closes the listening sockets and waits
@@ -76,9 +88,11 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run(app: ASGIApp, server: ServerConfig, frontend: Frontend) -> bool:
+def run(
+    app: ASGIApp, server: ServerConfig, frontend: Frontend, on_started: Callable[[], None] | None = None
+) -> bool:
     """Serve until SIGTERM or SIGINT, then drain (a second Ctrl+C stops at once). False if it never started
-    (the port is taken, ...)."""
+    (the port is taken, ...). on_started: called once the port is bound."""
     config = uvicorn.Config(
         app,
         host=server.host,
@@ -88,6 +102,6 @@ def run(app: ASGIApp, server: ServerConfig, frontend: Frontend) -> bool:
         log_level=server.log_level,
         timeout_graceful_shutdown=math.ceil(server.shutdown_grace_seconds + SHUTDOWN_MARGIN_S),
     )
-    graceful = GracefulServer(config, frontend.drain, server.shutdown_grace_seconds)
+    graceful = GracefulServer(config, frontend.drain, server.shutdown_grace_seconds, on_started)
     graceful.run()
     return graceful.started

@@ -10,7 +10,7 @@ as MindIE streams. A failure after the headers are out becomes an error event, n
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +102,14 @@ class _Assembler:
         return self.num_finished >= self.fmt.num_choices
 
 
-async def stream_events(first: Event, events: AsyncIterator[Event], fmt: StreamFormat) -> AsyncIterator[str]:
-    """SSE text for `first` and the rest of `events`; closes `events` when done or abandoned."""
+async def stream_events(
+    first: Event,
+    events: AsyncIterator[Event],
+    fmt: StreamFormat,
+    on_close: Callable[[], None] | None = None,
+) -> AsyncIterator[str]:
+    """SSE text for `first` and the rest of `events`; closes `events` when done or abandoned, then calls
+    `on_close` (the metrics count a stream left before its end)."""
     assembler = _Assembler(fmt)
     try:
         event: Event | None = first
@@ -125,6 +131,9 @@ async def stream_events(first: Event, events: AsyncIterator[Event], fmt: StreamF
         error = e if isinstance(e, APIError) else from_serving(e)
         yield sse(error_body(error.status_code, error.message, error.param, error.code))
     finally:
+        # NOTE: on_close first: under a cancelled scope (a client that went away) the await may be cancelled.
+        if on_close is not None:
+            on_close()
         await events.aclose()
     yield DONE
 

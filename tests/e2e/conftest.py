@@ -124,6 +124,35 @@ def deploy_server(_servers) -> Server:
     return server
 
 
+# The browser-facing server: an API key, CORS for one origin with credentials (the playground, serval chat and
+# the CORS tests share it). Started on first use only. Its ChatML template opens a <think> block when a request
+# asks for it (chat_template_kwargs.enable_thinking), so the default model's answer starts as reasoning and
+# thinking_budget closes it: real reasoning_content for the playground to fold, from a model that has none.
+KEYED_API_KEY = "playground-key"
+KEYED_ORIGIN = "http://app.example"
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory) -> Server:
+    directory = tmp_path_factory.mktemp("keyed-server")
+    template = directory / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    args = ["--api-key", KEYED_API_KEY, "--allowed-origins", json.dumps([KEYED_ORIGIN]), "--allow-credentials",
+            "--dtype", "float32", "--chat-template", str(template)]  # fmt: skip
+    server = launch(args, str(directory / "keyed.log"))
+    try:
+        server.wait_ready()
+        headers = {"Authorization": f"Bearer {KEYED_API_KEY}"}
+        server.model = httpx.get(f"{server.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def openai_client(server):
     from openai import OpenAI

@@ -206,8 +206,9 @@ def load_cpu_kernels(variant: str | None = None):
         first_build = not _build_directory_exists(module_name)
         if first_build:
             logger.info(
-                "compiling the native CPU kernels (%s variant) once for this machine; this usually takes 1-3"
-                " minutes, and later starts reuse the build",
+                "compiling native kernels for %s (%s variant), first start only, usually 1-3 minutes; later"
+                " starts reuse the build",
+                " ".join(chosen.cpu_flags) or f"baseline {platform.machine()}",
                 chosen.name,
             )
         start = time.perf_counter()

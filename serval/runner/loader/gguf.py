@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from tqdm import tqdm
 
+from serval.progress import progress
 from serval.runner.loader.dequant import (
     BLOCK_CODE_TYPES,
     SUPPORTED_TYPES,
@@ -351,7 +351,7 @@ def iter_gguf_weights(
     is_permuted = metadata_value(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
     # rows of q_proj are grouped by query head, rows of k_proj by key/value head
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors = tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None)
+    tensors = progress(reader.tensors, desc="loading GGUF weights", unit="tensor")
     for name, tensor in zip(names, tensors):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"

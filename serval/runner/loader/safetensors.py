@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
+
+from serval.progress import progress
 
 
 def read_hf_config(directory: str) -> dict:
@@ -44,7 +45,7 @@ def iter_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor
     for path in files:
         with safe_open(path, framework="pt") as f:
             num_tensors += len(f.keys())
-    with tqdm(total=num_tensors, desc="loading weights", unit="tensor", disable=None) as bar:
+    with progress(total=num_tensors, desc="loading weights", unit="tensor") as bar:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
