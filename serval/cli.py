@@ -287,10 +287,12 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.serving.frontend import Frontend
     from serval.serving.grammar_pool import GrammarLimits
     from serval.serving.media.limits import media_config
+    from serval.serving.media.processor import media_processor_for
     from serval.serving.tokenizer import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_source(source)
+        media_processor = None if source.is_gguf else media_processor_for(source.path)
         client = EngineClient.start(engine)
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
@@ -317,6 +319,7 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
                 server.max_concurrent_media_fetches,
                 server.media_fetch_timeout,
             ),
+            media_processor=media_processor,
         )
         app = build_app(server, frontend)
         # The model, tokenizer and grammar tables are hundreds of thousands of long-lived objects: frozen out
