@@ -114,10 +114,10 @@ def greedy(engine: Engine, requests: list[tuple[list[int], tuple]], max_tokens: 
     return [tokens[str(i)] for i in range(len(requests))]
 
 
-def oracle_greedy(reference, ids: list[int], items, max_tokens: int = 8) -> list[int]:
+def oracle_greedy(reference, ids: list[int], items, max_tokens: int = 8, **extra) -> list[int]:
     with torch.no_grad():
         out = reference.generate(
-            **oracle_inputs(ids, items), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            **oracle_inputs(ids, items), **extra, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
     return out[0, len(ids) :].tolist()

@@ -152,8 +152,6 @@ class VisionTower(nn.Module):
             for block in self.blocks:
                 x = block(x, cos, sin, frame_bounds)
             return self.merger(x)
-        from serval.runner.models.qwen2_5_vl_windows import window_order
-
         order, window_bounds = window_order(grids, v)
         x, cos, sin = x[order], cos[order], sin[order]
         for i, block in enumerate(self.blocks):
@@ -190,3 +188,25 @@ def _bounds(lengths: list[int]) -> list[int]:
     for n in lengths:
         bounds.append(bounds[-1] + n)
     return bounds
+
+
+def window_order(grids: list[Grid], vision: VisionArch) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: the patch order that makes every window's patches consecutive, (num_patches,)
+    int64, and the windows' bounds in that order. A window is window_size pixels square (whole merge groups;
+    those at the right and bottom edges are cut short), within one frame pair; windows go row-major per
+    frame pair, groups row-major within a window."""
+    m = vision.spatial_merge_size
+    side = vision.window_size // m // vision.patch_size  # merge groups along a window's side
+    groups, sizes = [], []
+    first = 0  # the item's first merge group
+    for t, h, w in grids:
+        index = torch.arange(t * (h // m) * (w // m)).view(t, h // m, w // m) + first
+        for frame in index:
+            for rows in frame.split(side, dim=0):
+                for window in rows.split(side, dim=1):
+                    groups.append(window.reshape(-1))
+                    sizes.append(window.numel() * m * m)
+        first += index.numel()
+    group_order = torch.cat(groups)  # (num_patches // m**2,)
+    order = (group_order[:, None] * m * m + torch.arange(m * m)).reshape(-1)
+    return order, _bounds(sizes)
