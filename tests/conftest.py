@@ -47,7 +47,7 @@ def tiny_lora_factory(tmp_path_factory, tiny_model_factory):
 
 @pytest.fixture(scope="session")
 def tiny_vl_factory(tmp_path_factory):
-    """qwen2_5 -> (directory, transformers model): a tiny Qwen2-VL (or Qwen2.5-VL) checkpoint, written once."""
+    """qwen2_5 -> (directory, transformers model): a tiny Qwen2-VL (or Qwen2.5-VL), written once."""
     from tests.fixtures.tiny_vl import write_tiny_vl_model
 
     made: dict = {}

@@ -99,7 +99,8 @@ class Engine:
         share_prompt_with: a request with the same prompt (another of n / best_of sequences) whose prompt
         blocks this one forks once they are computed, instead of computing the prompt itself.
         lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model.
-        media: the prompt's media items for a multimodal model's encoder (ValueError if it can't take them)."""
+        media: the prompt's media items for a multimodal model's encoder (ValueError if it can't take
+        them)."""
         if request_id in self.requests or request_id in self.beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(len(prompt_token_ids), params, self.max_model_len)

@@ -1,4 +1,4 @@
-"""Media in the runner: the encoder inputs a prompt carries, their per-prompt state, and one step's share of it.
+"""Media in the runner: the encoder inputs a prompt carries, their per-prompt state, one step's share of it.
 
 Owns the contract between serving's MediaProcessor and a multimodal model (MediaInput), the state of one
 prompt with media (MediaPrompt: its M-RoPE positions, computed once when the request is added, and the
@@ -161,8 +161,9 @@ def check_media_items(arch, prompt_token_ids: list[int], items: tuple[MediaInput
                 f"a media item of grid {item.grid} has {item.num_tokens} rows, not {t * h * w // m**2}"
             )
         if tuple(item.pixel_values.shape) != (t * h * w, vision.patch_dim):
+            expected = (t * h * w, vision.patch_dim)
             raise ValueError(
-                f"a media item's pixel values are {tuple(item.pixel_values.shape)}, not {(t * h * w, vision.patch_dim)}"
+                f"a media item's pixel values are {tuple(item.pixel_values.shape)}, not {expected}"
             )
         placeholder = vision.video_token_id if item.is_video else vision.image_token_id
         if any(token != placeholder for token in prompt_token_ids[item.offset : item.end]):

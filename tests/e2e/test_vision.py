@@ -1,7 +1,8 @@
-"""A tiny Qwen2-VL checkpoint (written by transformers) served by the real `serval serve` on loopback and asked
-through the real openai client: an image as a data: URL of a PNG made with Pillow is counted in
-usage.prompt_tokens_details.image_tokens and answered with what transformers' greedy generate answers for the
-same prompt and pixels (its own image processor's pixel_values); bad media are 400s in the OpenAI error shape."""
+"""A tiny Qwen2-VL checkpoint (written by transformers) served by the real `serval serve` on loopback and
+asked through the real openai client: an image as a data: URL of a PNG made with Pillow is counted in
+usage.prompt_tokens_details.image_tokens and answered with what transformers' greedy generate answers for
+the same prompt and pixels (its own image processor's pixel_values); bad media are 400s in the OpenAI error
+shape."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "what is in this picture"
 MAX_TOKENS = 8
+
+
+def data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def png_bytes(width: int, height: int, seed: int) -> bytes:
@@ -91,9 +96,9 @@ def oracle_answer(directory: str, reference, png: bytes) -> tuple[int, int, str,
     input_ids = torch.tensor([ids])
     with torch.no_grad():
         out = reference.generate(
-            input_ids=input_ids, pixel_values=features["pixel_values"], image_grid_thw=features["image_grid_thw"],
-            mm_token_type_ids=(input_ids == IMAGE_PAD).int(), max_new_tokens=MAX_TOKENS, do_sample=False,
-            eos_token_id=reference.config.text_config.eos_token_id, pad_token_id=0,
+            input_ids=input_ids, pixel_values=features["pixel_values"],
+            image_grid_thw=features["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
+            max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=reference.config.text_config.eos_token_id, pad_token_id=0,
         )  # fmt: skip
     generated = out[0, len(ids) :].tolist()
     token_bytes = ServalTokenizer.from_source(resolve_model(directory)).token_bytes
@@ -127,10 +132,8 @@ def test_an_image_is_counted_and_answered_as_transformers_answers(vl_server):
     "part, code",
     [
         ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "unsupported_media"),
-        ({"type": "image_url", "image_url": "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nxx").decode()},
-         "invalid_media"),
-        ({"type": "image_url", "image_url": "data:image/jpeg;base64," + base64.b64encode(png_bytes(28, 28, 0)).decode()},
-         "invalid_media"),
+        ({"type": "image_url", "image_url": data_url("image/png", b"\x89PNG\r\n\x1a\nxx")}, "invalid_media"),
+        ({"type": "image_url", "image_url": data_url("image/jpeg", png_bytes(28, 28, 0))}, "invalid_media"),
     ],
 )  # fmt: skip
 def test_bad_media_are_400s_naming_the_part(vl_server, part, code):

@@ -1,7 +1,7 @@
-"""Qwen2.5-VL against transformers on a tiny random-weight checkpoint: the vision tower's windows (56-pixel windows,
-so an image spans several, cut short at its edges) and full-attention blocks, RMSNorm and the gated MLP, and a
-video's M-RoPE time spaced by tokens_per_second x seconds per temporal patch; logits within 1e-3 in fp32 and
-equal greedy tokens."""
+"""Qwen2.5-VL against transformers on a tiny random-weight checkpoint: the vision tower's windows (56-pixel
+windows, so an image spans several, cut short at its edges) and full-attention blocks, RMSNorm and the gated
+MLP, and a video's M-RoPE time spaced by tokens_per_second x seconds per temporal patch; logits within 1e-3
+in fp32 and equal greedy tokens."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Qwen2-VL against transformers on a tiny random-weight checkpoint that transformers wrote: logits within 1e-3 in
-fp32 and equal greedy tokens for one image, two images, image and text turns, and a video; the engine's
-continuous batching, chunked prefill (an image's rows over several chunks), prefix cache (the same image hits,
-another image with the same placeholder ids does not) and the lifetime of the runner's per-request media state.
+"""Qwen2-VL against transformers on a tiny random-weight checkpoint that transformers wrote: logits within
+1e-3 in fp32 and equal greedy tokens for one image, two images, image and text turns, and a video; the
+engine's continuous batching, chunked prefill (an image's rows over several chunks), preemption, prefix
+cache (the same image hits, another image with the same placeholder ids does not) and the lifetime of the
+runner's per-request media state; bf16 near fp32.
 
 Images are real PNGs decoded by serving's decoder and patchified by its processor (serving/media/qwen2_vl.py);
 the oracle gets the same pixel_values and grids (its own image processor agrees: tests/serving/media)."""
@@ -257,3 +258,23 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vl):
 
 def _fields(item: MediaInput) -> dict:
     return {"content_hash": item.content_hash, "pixel_values": item.pixel_values}
+
+
+def test_preempted_media_requests_recompute_and_encode_again(vl, cases):
+    # 9 blocks of 16 hold both prompts (3 blocks each) but not both answers: the newer is preempted, its
+    # blocks freed, and it recomputes its prompt later, encoding its images again.
+    requests = [cases["two images"], cases["one image"]]
+    alone = [greedy(make_engine(vl[0]), [request], max_tokens=40)[0] for request in requests]
+    engine = make_engine(vl[0], num_blocks=9)
+    assert greedy(engine, requests, max_tokens=40) == alone
+    assert engine.num_preemptions > 0
+
+
+def test_bf16_follows_fp32(vl, cases):
+    ids, items = cases["two images"]
+    fp32 = serval_logits(make_engine(vl[0]), ids, items)
+    bf16 = Engine(
+        EngineConfig(model=ModelConfig(model=vl[0], dtype="bfloat16"), cache=CacheConfig(num_blocks=16))
+    )
+    difference = (serval_logits(bf16, ids, items) - fp32).abs().max().item()
+    assert difference < 0.05 * fp32.abs().max().item()

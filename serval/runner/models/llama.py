@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_embedded(
         self,
-        x: torch.Tensor,  # (num_tokens, hidden_size) float32, the input rows (a multimodal model's spliced in)
+        x: torch.Tensor,  # (num_tokens, hidden_size) float32 input rows (a multimodal model's: spliced)
         rope: RopeTables,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,

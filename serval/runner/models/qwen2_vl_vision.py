@@ -1,9 +1,10 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower: pixel patches in, one language-model-width row per merged patch out.
+"""The Qwen2-VL / Qwen2.5-VL vision tower: pixel patches in, one language-model-width row per merged patch.
 
 Owns the ViT's math: the patch embedding (a Conv3d whose stride equals its kernel, so a matmul over each
 flattened patch), the 2-D rotary embedding of each patch's (row, column), the blocks (attention only among
-the patches of one image or video frame pair, Qwen2.5-VL also within windows), and the PatchMerger that concatenates
-each spatial_merge_size x spatial_merge_size group of neighbours and projects it to the language model's width.
+the patches of one image or video frame pair, Qwen2.5-VL also within windows), and the PatchMerger that
+concatenates each spatial_merge_size x spatial_merge_size group of neighbours and projects it to the
+language model's width.
 
 Patches arrive in the order the preprocessor (serving/media/qwen2_vl.py) writes them: per item, per frame
 pair, the merge groups row-major and, inside a group, its patches row-major; so a group is 4 consecutive rows

@@ -72,8 +72,8 @@ class MediaProcessor(Protocol):
         ...
 
     def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput | None:
-        """The encoder's input of a decoded item (pixel patches, ...), its offset counted from the start of the
-        item's run; called in the loader's decoding threads."""
+        """The encoder's input of a decoded item (pixel patches, ...), its offset counted from the start of
+        the item's run; called in the loader's decoding threads."""
         ...
 
 

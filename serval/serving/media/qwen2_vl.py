@@ -2,8 +2,7 @@
 
 Owns the model's side of the prompt and its encoder's input, read from the model directory:
 - the run of an item: `<|vision_start|>`, one `<|image_pad|>` (`<|video_pad|>`) per merged patch, then
-  `<|vision_end|>`, as the model's chat template writes it; usage counts the whole run (Model Studio adds the
-  two markers to an image's tokens too);
+  `<|vision_end|>`, as the model's chat template writes it; usage counts the whole run, markers included;
 - the encoder input (`encoder_input`, run in the loader's decoding threads): pixels scaled to [0, 1],
   normalized by preprocessor_config.json's image_mean and image_std, and cut into patch_size x patch_size
   patches of temporal_patch_size frames (an image is its own frame twice; a video's frames are padded with

@@ -1,5 +1,6 @@
-"""Qwen2VLProcessor: a real PNG decoded and patchified is what transformers' own Qwen2-VL image processor makes of
-the same pixels; video patches are checked one by one against the frames they cut; runs, counts and keys."""
+"""Qwen2VLProcessor: a real PNG decoded and patchified is what transformers' own Qwen2-VL image processor
+makes of the same pixels; video patches are checked one by one against the frames they cut; runs, counts
+and keys."""
 
 from __future__ import annotations
 
