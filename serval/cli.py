@@ -344,10 +344,14 @@ def start_engine(engine: EngineConfig, source: ModelSource):
     # Heavy imports here: `serval --help` and config errors stay fast.
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
+    from serval.serving.media.processor import media_processor_for
     from serval.serving.tokenizer import Tokenizer
 
     try:
-        return Tokenizer.from_source(source), EngineClient.start(engine)
+        tokenizer = Tokenizer.from_source(source)
+        # A multimodal checkpoint's processor (its preprocessor_config.json); None for a text-only model.
+        media_processor = None if source.is_gguf else media_processor_for(source.path)
+        return tokenizer, EngineClient.start(engine), media_processor
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
@@ -355,8 +359,9 @@ def start_engine(engine: EngineConfig, source: ModelSource):
         sys.exit(f"serval: error: cannot load the model {source.path}: {e}")
 
 
-def build_frontend_app(server: ServerConfig, tokenizer, client):
-    """The Frontend over a running engine, and the app that serves it."""
+def build_frontend_app(server: ServerConfig, tokenizer, client, media_processor=None):
+    """The Frontend over a running engine, and the app that serves it. media_processor: the model's, for a
+    multimodal one (start_engine)."""
     from serval.api.app import build_app
     from serval.serving.frontend import Frontend
     from serval.serving.grammar_pool import GrammarLimits
@@ -381,6 +386,7 @@ def build_frontend_app(server: ServerConfig, tokenizer, client):
             server.max_concurrent_media_fetches,
             server.media_fetch_timeout,
         ),
+        media_processor=media_processor,
     )
     return frontend, build_app(server, frontend)
 
@@ -389,9 +395,9 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.lifetime import freeze_long_lived_objects
 
-    tokenizer, client = start_engine(engine, source)
+    tokenizer, client, media_processor = start_engine(engine, source)
     try:
-        frontend, app = build_frontend_app(server, tokenizer, client)
+        frontend, app = build_frontend_app(server, tokenizer, client, media_processor)
         freeze_long_lived_objects()
         scheme = "https" if server.ssl_certfile else "http"
         logger = logging.getLogger("serval")

@@ -145,6 +145,7 @@ class LLM:
                     self.engine.add_request(
                         new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, new.constraint,
                         new.num_pinned_prompt_tokens, new.share_prompt_with, lora_name=new.lora_name,
+                        media=new.media,
                     )  # fmt: skip
                     added.append(new.request_id)
         except Exception as e:

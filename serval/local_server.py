@@ -36,13 +36,13 @@ class LocalServer:
 
         engine = EngineConfig(model=ModelConfig(model=model, dtype=dtype))
         source = resolve_model(model)
-        tokenizer, client = start_engine(engine, source)
+        tokenizer, client, media_processor = start_engine(engine, source)
         try:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with another process
             port = sock.getsockname()[1]
             server = ServerConfig(host="127.0.0.1", port=port, served_model_names=(model or source.name,))
-            _, app = build_frontend_app(server, tokenizer, client)
+            _, app = build_frontend_app(server, tokenizer, client, media_processor)
             http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
             # NOTE: uvicorn installs no signal handlers off the main thread: Ctrl+C stays the chat's.
             thread = threading.Thread(

@@ -43,3 +43,19 @@ def tiny_lora_factory(tmp_path_factory, tiny_model_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_factory(tmp_path_factory):
+    """qwen2_5 -> (directory, transformers model): a tiny Qwen2-VL (or Qwen2.5-VL), written once."""
+    from tests.fixtures.tiny_vl import write_tiny_vl_model
+
+    made: dict = {}
+
+    def make(qwen2_5: bool = False):
+        if qwen2_5 not in made:
+            directory = str(tmp_path_factory.mktemp("tiny-qwen2_5-vl" if qwen2_5 else "tiny-qwen2-vl"))
+            made[qwen2_5] = (directory, write_tiny_vl_model(directory, qwen2_5))
+        return made[qwen2_5]
+
+    return make

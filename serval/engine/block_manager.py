@@ -2,10 +2,11 @@
 
 A block holds `block_size` consecutive tokens of one or more requests' contexts. A full block is named by a
 hash chained over every token before it (hash(parent_hash, its tokens)), so equal hashes mean equal
-prefixes and the block can be shared. The chain of a request with a LoRA adapter starts from the adapter's
-seed instead of b"": its blocks hold other keys and values, and must never be shared with another adapter's
-or the base model's. Freed blocks keep their hash and stay findable until the free list hands them out
-again, least recently freed first; that is the prefix cache's LRU eviction.
+prefixes and the block can be shared. A block holding rows of a media item also mixes in the item's content
+hash: its placeholder ids say nothing of the image. The chain of a request with a LoRA adapter starts from
+the adapter's seed instead of b"": its blocks hold other keys and values, and must never be shared with
+another adapter's or the base model's. Freed blocks keep their hash and stay findable until the free list
+hands them out again, least recently freed first; that is the prefix cache's LRU eviction.
 
 Forks (beam search, and the n/best_of sequences of one prompt): a child takes a reference on each of its
 parent's blocks instead of a copy. The one block a sequence can still write into, its partial last block, is
@@ -29,9 +30,13 @@ import numpy as np
 from serval.engine.request import Request
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: list[int], media_key: bytes = b"") -> bytes:
+    """media_key: the content hashes of the media items whose rows the block holds (Request.block_media_key):
+    their placeholder ids are the same whatever the image, their keys and values are not."""
     h = hashlib.blake2b(parent_hash, digest_size=16)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if media_key:
+        h.update(media_key)
     return h.digest()
 
 
@@ -86,7 +91,8 @@ class BlockManager:
         block_ids, parent = [], request.block_hash_seed
         for i in range(max_blocks):
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, tokens)
+            media_key = request.block_media_key(i, self.block_size) if request.media else b""
+            parent = hash_block(parent, tokens, media_key)
             block_id = self.cached_blocks.get(parent)
             if block_id is None:
                 break
@@ -167,7 +173,8 @@ class BlockManager:
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else request.block_hash_seed
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block_hash = hash_block(parent, tokens)
+            media_key = request.block_media_key(i, self.block_size) if request.media else b""
+            block_hash = hash_block(parent, tokens, media_key)
             request.block_hashes.append(block_hash)
             block_id = request.block_ids[i]
             if block_hash not in self.cached_blocks and self.block_hash[block_id] is None:

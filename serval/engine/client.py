@@ -333,7 +333,7 @@ class EngineClient:
                 self._engine.add_request(
                     request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
                     request.constraint, request.num_pinned_prompt_tokens, request.share_prompt_with,
-                    lora_name=request.lora_name,
+                    lora_name=request.lora_name, media=request.media,
                 )  # fmt: skip
             except ValueError as e:  # UnknownLoraError included: unloaded since add_requests checked
                 # No step has run since the first of them was added: aborting them frees nothing yet held.

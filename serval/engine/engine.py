@@ -20,6 +20,7 @@ from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
 from serval.runner.lora import LoraAdapter
+from serval.runner.media import MediaInput, MediaPrompt
 from serval.runner.runner import ModelRunner
 from serval.sampling import SamplingParams
 
@@ -92,11 +93,14 @@ class Engine:
         num_pinned_prompt_tokens: int = 0,
         share_prompt_with: str | None = None,
         lora_name: str | None = None,
+        media: tuple[MediaInput, ...] = (),
     ) -> None:
         """num_pinned_prompt_tokens: the leading prompt tokens to pin in the explicit cache once computed.
         share_prompt_with: a request with the same prompt (another of n / best_of sequences) whose prompt
         blocks this one forks once they are computed, instead of computing the prompt itself.
-        lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model."""
+        lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model.
+        media: the prompt's media items for a multimodal model's encoder (ValueError if it can't take
+        them)."""
         if request_id in self.requests or request_id in self.beam_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(len(prompt_token_ids), params, self.max_model_len)
@@ -108,14 +112,18 @@ class Engine:
         if any(t >= vocab_size for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         lora = None if lora_name is None else self.loras.get(lora_name)
+        # Checked, and its positions computed, before anything is added.
+        media_prompt = self.runner.prepare_media(prompt_token_ids, media) if media else None
         if params.use_beam_search:
             if constraint is not None:
                 raise ValueError("beam search can't follow a grammar (one constraint per beam is not kept)")
-            self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids, lora)
+            root = self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids, lora)
+            _attach_media(root, media_prompt)
             return
         request = Request(
             request_id, prompt_token_ids, params, eos_token_ids, constraint=constraint, lora=lora
         )
+        _attach_media(request, media_prompt)
         request.num_pinned_prompt_tokens = num_pinned_prompt_tokens
         self.requests[request_id] = request
         leader = self.requests.get(share_prompt_with) if share_prompt_with else None
@@ -131,7 +139,7 @@ class Engine:
 
     def _add_beam_search(
         self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids, lora
-    ):
+    ) -> Request:
         max_new_tokens = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
             max_new_tokens = min(max_new_tokens, params.max_tokens)
@@ -150,6 +158,7 @@ class Engine:
         group.add_root(root)
         self.beam_groups[request_id] = group
         self.scheduler.add(root)
+        return root
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self.beam_groups.pop(request_id, None)
@@ -228,6 +237,9 @@ class Engine:
         lora_slots = []
         if any(r.lora is not None for r in scheduled.requests):
             lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
+        media = []
+        if any(r.media_prompt is not None for r in scheduled.requests):
+            media = [r.media_prompt for r in scheduled.requests]
         return Batch(
             token_ids=token_ids,
             num_new_tokens=list(scheduled.num_new_tokens),
@@ -237,6 +249,7 @@ class Engine:
             sampling=rows,
             block_copies=self.block_manager.take_copies(),
             lora_slots=lora_slots,
+            media=media,
         )
 
     def _update(
@@ -335,6 +348,8 @@ class Engine:
             lora=parent.lora,  # its blocks and its hash chain are the adapter's
         )
         child.token_ids = list(parent.token_ids)
+        # The same prompt: the same items (block keys) and runner state (positions, encoder rows).
+        child.media, child.media_prompt = parent.media, parent.media_prompt
         if parent.status == RequestStatus.RUNNING:
             self.block_manager.fork(parent, child, parent.num_computed_tokens)
             self.scheduler.add_running(child)
@@ -381,3 +396,9 @@ class Engine:
             stop_token_id=request.stop_token_id,
             metrics=request.metrics,
         )
+
+
+def _attach_media(request: Request, media_prompt: MediaPrompt | None) -> None:
+    if media_prompt is not None:
+        request.media = media_prompt.items
+        request.media_prompt = media_prompt

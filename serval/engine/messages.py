@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from serval.engine.constraint import TokenConstraint
 from serval.engine.lora import UnknownLoraError
 from serval.runner.lora import LoraAdapter
+from serval.runner.media import MediaInput
 from serval.sampling import SamplingParams
 
 
@@ -40,6 +41,9 @@ class NewRequest:
     # this one forks instead of computing them again.
     share_prompt_with: str | None = None
     lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
+    # The prompt's media items, as the served model's MediaProcessor prepared them for its encoder; their
+    # runs of placeholder ids are in prompt_token_ids already (serving/media/processor.py).
+    media: tuple[MediaInput, ...] = ()
 
 
 # ---- commands: event loop -> engine thread, handled in the order sent, between steps

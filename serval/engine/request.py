@@ -16,6 +16,7 @@ from serval.engine.constraint import TokenConstraint
 from serval.engine.lora import LoraCard
 from serval.engine.outputs import RequestMetrics
 from serval.runner.batch import SamplingRow
+from serval.runner.media import MediaInput, MediaPrompt
 from serval.sampling import SamplingParams
 
 
@@ -63,6 +64,10 @@ class Request:
         # Set on the sequences of a beam search: the group that picks their next tokens (engine/beam_search.py).
         self.beam_group = None
         self.lora = lora  # the LoRA adapter it runs with; None: the base model
+        # Its prompt's media items (by offset) and the runner's state of them (ModelRunner.prepare_media),
+        # dropped when the request finishes; the items' content hashes key the blocks their rows are in.
+        self.media: tuple[MediaInput, ...] = ()
+        self.media_prompt: MediaPrompt | None = None
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
@@ -90,6 +95,11 @@ class Request:
     def block_hash_seed(self) -> bytes:
         """The parent hash of its first block: the adapter's identity, so caches never mix across them."""
         return b"" if self.lora is None else self.lora.block_hash_seed
+
+    def block_media_key(self, block_index: int, block_size: int) -> bytes:
+        """The content hashes of the media items with a row in the block (b"" for none): part of its name."""
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        return b"".join(item.content_hash for item in self.media if item.offset < end and start < item.end)
 
     @property
     def wants_pin(self) -> bool:

@@ -125,3 +125,4 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
+        request.media_prompt = None  # its encoder state and positions go with it (a fork may still hold them)

@@ -7,8 +7,12 @@ Sequences appear in one order throughout; each contributes `num_new_tokens[i]` c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from serval.runner.media import MediaPrompt
 
 
 @dataclass
@@ -51,6 +55,9 @@ class Batch:
     # Per sequence: the LoRA adapter slot it runs with, -1 for the base model (the engine fills it from the
     # request's adapter). Empty: every sequence runs on the base model.
     lora_slots: list[int] = field(default_factory=list)
+    # Per sequence: its prompt's media state (runner/media.py; ModelRunner.prepare_media made it), None for
+    # text. Empty: no sequence of the step has media (every text-only model's steps).
+    media: list[MediaPrompt | None] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -19,6 +19,7 @@ from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
+from serval.runner.media import MediaInput, MediaPrompt, check_media_items, media_step
 from serval.runner.sampler import Sampler
 
 
@@ -179,6 +180,29 @@ class ModelRunner:
         assert self.lora_slots is not None
         self.lora_slots.unload(slot)
 
+    # ---- media (runner/media.py)
+
+    @property
+    def accepts_media(self) -> bool:
+        return hasattr(self.model, "encode")
+
+    def prepare_media(self, prompt_token_ids: list[int], items: tuple[MediaInput, ...]) -> MediaPrompt:
+        """A prompt's media state: its items checked against the prompt and the model, its M-RoPE positions
+        computed (once). ValueError for items this prompt or model cannot take."""
+        if not self.accepts_media:
+            raise ValueError(f"{self.arch.architecture} does not take media inputs")
+        items = tuple(sorted(items, key=lambda item: item.offset))
+        check_media_items(self.arch, prompt_token_ids, items)
+        positions, delta = self.model.mrope_positions(len(prompt_token_ids), items)
+        # Output tokens continue at i + delta; the rotary tables must hold every position of the context.
+        largest = max(int(positions.max()), self.max_model_len - 1 + delta)
+        if largest > self.model.max_position:
+            raise ValueError(
+                f"the media's positions reach {largest}, past the {self.model.max_position + 1} this model "
+                "was started with (--max-model-len)"
+            )
+        return MediaPrompt(items, positions, delta)
+
     def _bytes_per_block(self) -> int:
         a = self.arch
         element_size = self.dtype.itemsize
@@ -224,9 +248,17 @@ class ModelRunner:
         """Run the model over the batch; logits (len(sample_indices), vocab_size) float32 of sampled rows."""
         device = self.device
         self.copy_blocks(batch.block_copies)
-        positions: list[int] = []
-        for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
-            positions.extend(range(num_computed, num_computed + num_new))
+        media_rows = None
+        if batch.media:  # a multimodal model's step with a media prompt in it (runner/media.py)
+            position_ids, media_rows = media_step(
+                self.model, batch.media, batch.num_new_tokens, batch.num_computed_tokens
+            )
+            position_ids = position_ids.to(device)
+        else:
+            positions: list[int] = []
+            for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
+                positions.extend(range(num_computed, num_computed + num_new))
+            position_ids = torch.tensor(positions, dtype=torch.long, device=device)
         ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1  # last token row of each sequence
         logit_rows = ends[batch.sample_indices].to(device)
         meta = AttentionMetadata.build(
@@ -239,10 +271,14 @@ class ModelRunner:
             self.prefill_kernel,
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
         lora = None
         if batch.lora_slots:
             lora = LoraBatch.build(batch.lora_slots, batch.num_new_tokens, self.dtype, device)
+        if media_rows is not None:
+            media_rows.rows = media_rows.rows.to(device)
+            return self.model(
+                input_ids, position_ids, self.kv_caches, meta, logit_rows, lora, media=media_rows
+            )
         return self.model(input_ids, position_ids, self.kv_caches, meta, logit_rows, lora)
 
     @torch.inference_mode()

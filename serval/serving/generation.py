@@ -27,7 +27,7 @@ from serval.serving.choices import (
 )
 from serval.serving.errors import InvalidRequestError
 from serval.serving.media.parts import MediaKind
-from serval.serving.media.processor import MediaSpan, num_tokens_by_kind
+from serval.serving.media.processor import MediaSpan, engine_media, num_tokens_by_kind
 from serval.serving.output import OutputPlan
 from serval.serving.stream import ChoiceDelta, ChoiceStream, Completion, Usage
 
@@ -113,6 +113,7 @@ class GenerationRequest:
         self.lora_name = lora_name
         self.echoes = echoes
         self.media_spans = media_spans
+        media = engine_media(media_spans)
         if return_logprobs is None:
             return_logprobs = params.logprobs is not None
         self.sequences = rules.plan(prompts, params, param)
@@ -134,6 +135,7 @@ class GenerationRequest:
                 num_pinned_prompt_tokens=num_pinned_prompt_tokens,
                 share_prompt_with=None if s.leader_index is None else self.engine_request_id(s.leader_index),
                 lora_name=lora_name,
+                media=media,
             )
             for s in self.sequences
         ]

@@ -48,6 +48,9 @@ class ProbeProcessor:
     def placeholder_ids(self, item) -> list[int]:
         return [PLACEHOLDER_ID] * item.num_tokens
 
+    def encoder_input(self, decoded, content_hash):
+        return None  # no encoder behind the scripted engine
+
 
 class RecordingEngine(FakeEngine):
     def __init__(self) -> None:

@@ -1,6 +1,9 @@
 """ArchConfig: the shape of a decoder-only transformer, read from a Hugging Face config.json dict.
 
 GGUF files are first turned into the same dict (loader/gguf.py), so every model class sees one vocabulary.
+A multimodal checkpoint (Qwen2-VL, Qwen2.5-VL) adds the shape of its vision tower (VisionArch) and M-RoPE's
+sections; its language model is read from `text_config` when the config nests it (transformers 5 writes
+it so), from the top level otherwise (the released checkpoints).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class ArchConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
+    # M-RoPE (Qwen2-VL): how many rotary frequencies follow each position axis (t, h, w, t, ...); empty: 1-D
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionArch | None = None  # the vision tower of a multimodal model
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ArchConfig:
@@ -41,6 +47,8 @@ class ArchConfig:
         if not architectures:
             raise ValueError("config.json names no architecture ('architectures' is empty)")
         architecture = architectures[0]
+        if isinstance(cfg.get("text_config"), dict):  # the top level wins (tie_word_embeddings, model_type)
+            cfg = {**cfg["text_config"], **cfg}
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
@@ -58,9 +66,81 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama-family configs say so with attention_bias.
-            attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", architecture in _QWEN2_DECODERS)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             rope_scaling=_rope_scaling(cfg),
+            mrope_section=_mrope_section(cfg),
+            vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
+        )
+
+
+# Architectures whose language model is Qwen2's decoder (q/k/v biases).
+_QWEN2_DECODERS = frozenset(
+    {"Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
+
+
+@dataclass(frozen=True)
+class VisionArch:
+    """A Qwen2-VL / Qwen2.5-VL vision tower: a ViT over patch_size^2 x temporal_patch_size patches whose
+    spatial_merge_size^2 neighbours are merged into one language-model token."""
+
+    depth: int
+    embed_dim: int  # the ViT's width
+    num_heads: int
+    intermediate_size: int  # its MLP's hidden width
+    hidden_act: str  # "quick_gelu" (Qwen2-VL), "silu" (Qwen2.5-VL's gated MLP)
+    out_hidden_size: int  # the language model's width (the merger's output)
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    rope_theta: float
+    # Qwen2.5-VL: RMSNorm and a gated (SwiGLU) MLP with biases; attention within windows of window_size
+    # pixels except in the fullatt_block_indexes blocks; video time in M-RoPE scaled by tokens_per_second.
+    is_qwen2_5: bool
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    tokens_per_second: float
+    # The prompt's vision tokens (top-level config.json keys).
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def patch_dim(self) -> int:
+        """The length of one row of pixel_values: channels x frames x pixels of a patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> VisionArch:
+        v = cfg["vision_config"]
+        is_qwen2_5 = cfg.get("model_type") == "qwen2_5_vl" or "out_hidden_size" in v
+        embed_dim = int(v["hidden_size"] if is_qwen2_5 else v["embed_dim"])
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            depth=int(v["depth"]),
+            embed_dim=embed_dim,
+            num_heads=int(v["num_heads"]),
+            intermediate_size=int(
+                v["intermediate_size"] if is_qwen2_5 else embed_dim * v.get("mlp_ratio", 4)
+            ),
+            hidden_act=str(v.get("hidden_act", "silu" if is_qwen2_5 else "quick_gelu")),
+            out_hidden_size=int(v["out_hidden_size"] if is_qwen2_5 else v["hidden_size"]),
+            patch_size=int(v.get("patch_size", 14)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            is_qwen2_5=is_qwen2_5,
+            window_size=int(v.get("window_size", 112)),
+            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
+            tokens_per_second=float(v.get("tokens_per_second", 2)),
+            image_token_id=int(cfg["image_token_id"]),
+            video_token_id=int(cfg["video_token_id"]),
+            vision_start_token_id=int(cfg["vision_start_token_id"]),
+            vision_end_token_id=int(cfg["vision_end_token_id"]),
         )
 
 
@@ -72,12 +152,17 @@ def _rope_theta(cfg: dict) -> float:
     return params.get("rope_theta", 10000.0)
 
 
+def _mrope_section(cfg: dict) -> tuple[int, ...]:
+    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    return tuple(int(n) for n in raw.get("mrope_section") or ())
+
+
 def _rope_scaling(cfg: dict) -> RopeScaling | None:
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not raw:
         return None
     rope_type = raw.get("rope_type") or raw.get("type") or "default"
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # M-RoPE: plain frequencies, split over 3 axes (mrope_section)
         return None
     if rope_type not in ("linear", "llama3"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3)")

@@ -130,11 +130,24 @@ class LlamaForCausalLM(nn.Module):
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
         lora: LoraBatch | None = None,  # which tokens use which adapter; None: the base model for all
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
-        if self.packed_embedding is not None:
-            x = self.packed_embedding.rows(input_ids)  # (num_tokens, hidden_size), the fp32 residual stream
-        else:
-            x = self.embed_tokens(input_ids).float()
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
+        return self.forward_embedded(x, rope, kv_caches, meta, logit_rows, lora)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden_size) float32
+        if self.packed_embedding is not None:
+            return self.packed_embedding.rows(input_ids)  # the fp32 residual stream
+        return self.embed_tokens(input_ids).float()
+
+    def forward_embedded(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden_size) float32 input rows (a multimodal model's: spliced)
+        rope: RopeTables,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         if self.decode_stack is not None and meta.is_decode_only and lora is None:
             self.decode_stack.forward(
                 x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, rope.cos, rope.sin

@@ -1,7 +1,9 @@
 """Registry of model architectures by their Hugging Face name, imported lazily on first use.
 
 Protocol of a model class: `__init__(arch: ArchConfig, max_positions: int)`, `load_weights(iterable of
-(hf_name, tensor))`, and `forward(input_ids, positions, kv_caches, meta, logit_rows) -> logits`.
+(hf_name, tensor))`, and `forward(input_ids, positions, kv_caches, meta, logit_rows) -> logits`. A multimodal
+one also has `mrope_positions(num_tokens, items)`, `encode(items)` and a `media=` argument of forward
+(runner/media.py says when the runner uses them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "serval.runner.models.qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+    ),
 }
 
 

@@ -71,9 +71,11 @@ class MediaLoader:
             decoded: Decoded = await self._frame_list(part, bounds)
         else:
             decoded = await self.decode(part, part.sources[0], bounds)
-        return MediaItem(
-            part.kind, decoded, content_hash(part.kind, decoded), processor.num_tokens(decoded), part.param
-        )
+        digest = content_hash(part.kind, decoded)
+        loop = asyncio.get_running_loop()
+        # The encoder's input (normalized patches: a few array passes) in the decoding threads too.
+        prepared = await loop.run_in_executor(self._executor, processor.encoder_input, decoded, digest)
+        return MediaItem(part.kind, decoded, digest, processor.num_tokens(decoded), part.param, prepared)
 
     async def decode(self, part: MediaPart, source: MediaSource, bounds: ResizeBounds | None) -> Decoded:
         """One file of a part fetched and decoded (bounds: None keeps its size)."""

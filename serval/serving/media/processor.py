@@ -16,13 +16,16 @@ every block the run touches, since two images' runs have identical placeholder i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from serval.runner.media import MediaInput
 from serval.serving.media.decode import Decoded, DecodedAudio, DecodedImage, DecodedVideo
 from serval.serving.media.parts import MediaKind
 from serval.serving.media.resize import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, ResizeBounds
@@ -37,6 +40,9 @@ class MediaItem:
     content_hash: bytes  # blake2b of the decoded content: equal items share prefix-cache blocks
     num_tokens: int  # the length of its placeholder run
     param: str  # the part it came from (messages[i].content[j])
+    # What the model's encoder reads (MediaProcessor.encoder_input), its offset within the run; None: the
+    # processor has no encoder (tests' stand-ins).
+    encoder_input: MediaInput | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,41 @@ class MediaProcessor(Protocol):
     def placeholder_ids(self, item: MediaItem) -> list[int]:
         """The token ids of the item's run, `item.num_tokens` long (the encoder's rows replace them)."""
         ...
+
+    def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput | None:
+        """The encoder's input of a decoded item (pixel patches, ...), its offset counted from the start of
+        the item's run; called in the loader's decoding threads."""
+        ...
+
+
+# Hugging Face architecture -> the module and class of its MediaProcessor (imported when a model needs one).
+_PROCESSORS: dict[str, tuple[str, str]] = {
+    "Qwen2VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
+}
+
+
+def media_processor_for(model_dir: str) -> MediaProcessor | None:
+    """The MediaProcessor of the model in a Hugging Face directory (read from its config.json and
+    preprocessor_config.json), or None for a text-only model."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        architectures = json.load(f).get("architectures") or [""]
+    if architectures[0] not in _PROCESSORS:
+        return None
+    module_name, class_name = _PROCESSORS[architectures[0]]
+    return getattr(importlib.import_module(module_name), class_name).from_model_dir(model_dir)
+
+
+def engine_media(spans: Sequence[MediaSpan]) -> tuple[MediaInput, ...]:
+    """The spans' encoder inputs at their prompt positions: what the engine request carries."""
+    return tuple(
+        dataclasses.replace(span.item.encoder_input, offset=span.offset + span.item.encoder_input.offset)
+        for span in spans
+        if span.item.encoder_input is not None
+    )
 
 
 def read_resize_bounds(model_dir: str) -> ResizeBounds:

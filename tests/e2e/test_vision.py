@@ -1,0 +1,145 @@
+"""A tiny Qwen2-VL checkpoint (written by transformers) served by the real `serval serve` on loopback and
+asked through the real openai client: an image as a data: URL of a PNG made with Pillow is counted in
+usage.prompt_tokens_details.image_tokens and answered with what transformers' greedy generate answers for
+the same prompt and pixels (its own image processor's pixel_values); bad media are 400s in the OpenAI error
+shape."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from serval.serving.media.decode import decode_image
+from serval.serving.media.limits import MediaConfig
+from serval.serving.media.processor import read_resize_bounds
+from tests.e2e.conftest import launch
+from tests.fixtures.tiny_vl import IMAGE_PAD, VISION_END, VISION_START
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "what is in this picture"
+MAX_TOKENS = 8
+
+
+def data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tiny_vl_factory, tmp_path_factory):
+    directory, reference = tiny_vl_factory(False)
+    log = tmp_path_factory.mktemp("vl-server") / "server.log"
+    args = [
+        "--model",
+        directory,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
+    ]
+    server = launch(args, str(log))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, directory, reference
+    finally:
+        server.stop()
+
+
+def ask(client, *parts):
+    content = [*parts, {"type": "text", "text": QUESTION}]
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
+        logprobs=True,
+    )  # fmt: skip
+
+
+def answer_bytes(answer) -> list[bytes]:
+    """The answer's tokens as their bytes (a random tiny model's text is mostly partial characters)."""
+    return [bytes(entry.bytes) for entry in answer.choices[0].logprobs.content]
+
+
+def oracle_answer(directory: str, reference, png: bytes) -> tuple[int, int, str, list[bytes]]:
+    """transformers' greedy answer to the prompt serval renders: (prompt tokens, image tokens, text, the
+    tokens' bytes)."""
+    from tokenizers import Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from serval.model_source import resolve_model
+    from serval.serving.tokenizer import Tokenizer as ServalTokenizer
+
+    pixels = decode_image(io.BytesIO(png), None, read_resize_bounds(directory), MediaConfig(), "p").pixels
+    features = Qwen2VLImageProcessorPil()(images=[pixels], do_resize=False, return_tensors="pt")
+    num_pads = int(features["image_grid_thw"].prod()) // 4
+    tokenizer = Tokenizer.from_file(f"{directory}/tokenizer.json")
+    # The template's text around the message, the image's run first in it, then the user's text.
+    ids = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False).ids
+    ids += [VISION_START, *[IMAGE_PAD] * num_pads, VISION_END]
+    ids += tokenizer.encode(QUESTION, add_special_tokens=False).ids
+    ids += tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=input_ids, pixel_values=features["pixel_values"],
+            image_grid_thw=features["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
+            max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=reference.config.text_config.eos_token_id, pad_token_id=0,
+        )  # fmt: skip
+    generated = out[0, len(ids) :].tolist()
+    token_bytes = ServalTokenizer.from_source(resolve_model(directory)).token_bytes
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return len(ids), num_pads + 2, text, [token_bytes(i) for i in generated]
+
+
+def test_an_image_is_counted_and_answered_as_transformers_answers(vl_server):
+    client, directory, reference = vl_server
+    png = png_bytes(150, 100, seed=7)
+    url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+    answer = ask(client, {"type": "image_url", "image_url": {"url": url}})
+    num_prompt, num_image, text, tokens = oracle_answer(directory, reference, png)
+    details = answer.usage.prompt_tokens_details.model_dump()
+    assert (answer.usage.prompt_tokens, details["image_tokens"]) == (num_prompt, num_image)
+    assert details["text_tokens"] == num_prompt - num_image
+    assert answer_bytes(answer) == tokens and answer.choices[0].message.content == text
+    # Asked again: the same answer, the image's blocks from the prefix cache.
+    again = ask(client, {"type": "image_url", "image_url": {"url": url}})
+    assert answer_bytes(again) == tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    # Another image of the same size: other pixels, another answer from the same placeholder ids.
+    other = png_bytes(150, 100, seed=8)
+    url = f"data:image/png;base64,{base64.b64encode(other).decode()}"
+    other_tokens = oracle_answer(directory, reference, other)[3]
+    assert other_tokens != tokens
+    assert answer_bytes(ask(client, {"type": "image_url", "image_url": url})) == other_tokens
+
+
+@pytest.mark.parametrize(
+    "part, code",
+    [
+        ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "unsupported_media"),
+        ({"type": "image_url", "image_url": data_url("image/png", b"\x89PNG\r\n\x1a\nxx")}, "invalid_media"),
+        ({"type": "image_url", "image_url": data_url("image/jpeg", png_bytes(28, 28, 0))}, "invalid_media"),
+    ],
+)  # fmt: skip
+def test_bad_media_are_400s_naming_the_part(vl_server, part, code):
+    client = vl_server[0]
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, part)
+    body = error.value.body
+    assert body["param"] == "messages[0].content[0]" and body["code"] == code
+    assert body["type"] == "invalid_request_error" and body["message"]
