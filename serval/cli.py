@@ -21,8 +21,8 @@ from typing import Any
 from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import (
-    CorsConfig,
     ServerConfig,
+    cors_config,
     lora_root_directory,
     read_mindie_config,
     split_domains,
@@ -85,24 +85,6 @@ def _add_cors_options(p: argparse.ArgumentParser) -> None:
         "--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
         help="CORS: let browsers send credentials (never with the origin *)",
     )  # fmt: skip
-
-
-def cors_config(options: dict[str, Any]) -> CorsConfig | None:
-    """The CORS settings, or None (off) when no origin is given; the other CORS options need one."""
-    if "allowed_origins" not in options:
-        orphans = [
-            name for name in ("allowed_methods", "allowed_headers", "allow_credentials") if options.get(name)
-        ]
-        if orphans:
-            raise ValueError(
-                f"--{orphans[0].replace('_', '-')} needs --allowed-origins (CORS is off without it)"
-            )
-        return None
-    return CorsConfig(
-        tuple(options["allowed_origins"]),
-        **{name: tuple(options[name]) for name in ("allowed_methods", "allowed_headers") if name in options},
-        allow_credentials=bool(options.get("allow_credentials")),
-    )
 
 
 def _add_lora_options(p: argparse.ArgumentParser) -> None:

@@ -170,6 +170,25 @@ class ServerConfig:
         return self.served_model_names[0]
 
 
+def cors_config(options: dict[str, Any]) -> CorsConfig | None:
+    """The CORS settings from option values keyed by the CLI's names (config file and flags merged), or None
+    (off) when no origin is given; the other CORS options need one."""
+    if "allowed_origins" not in options:
+        orphans = [
+            name for name in ("allowed_methods", "allowed_headers", "allow_credentials") if options.get(name)
+        ]
+        if orphans:
+            raise ValueError(
+                f"--{orphans[0].replace('_', '-')} needs --allowed-origins (CORS is off without it)"
+            )
+        return None
+    return CorsConfig(
+        tuple(options["allowed_origins"]),
+        **{name: tuple(options[name]) for name in ("allowed_methods", "allowed_headers") if name in options},
+        allow_credentials=bool(options.get("allow_credentials")),
+    )
+
+
 def lora_root_directory(path: str | None) -> str | None:
     """--lora-root as ServerConfig holds it: the real path of an existing directory (ValueError otherwise)."""
     if path is None:

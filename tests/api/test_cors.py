@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from serval.cli import build_parser, cors_config, merged_options
-from serval.server_config import CorsConfig
+from serval.cli import build_parser, merged_options
+from serval.server_config import CorsConfig, cors_config
 
 ALLOWED = "https://app.example"
 OTHER = "https://evil.example"
