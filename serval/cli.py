@@ -10,15 +10,19 @@ are terminal_chat.py's (its add_parsers defines their options).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from serval.config import CacheConfig, EngineConfig, LoraConfig, LoraModule, ModelConfig, SchedulerConfig
+from serval.cli_options import (
+    add_cors_options,
+    add_lora_options,
+    add_media_options,
+    byte_size,
+)
+from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import (
     ServerConfig,
@@ -28,103 +32,6 @@ from serval.server_config import (
     split_domains,
 )
 from serval.serving.chat_template import ChatTemplate
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def byte_size(text: str) -> int:
-    """'1073741824', '4GiB', '512M', '1.5G' -> bytes (k/M/G/T are powers of 1024 either way, as in vLLM)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
-    number, unit, _ = match.groups()
-    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
-
-
-def lora_module(text: str) -> LoraModule:
-    """vLLM's --lora-modules forms: 'name=path', or JSON {"name", "path", "base_model_name"}."""
-    try:
-        if text.lstrip().startswith("{"):
-            fields = json.loads(text)
-            if not isinstance(fields, dict) or set(fields) - {"name", "path", "base_model_name"}:
-                raise ValueError('the JSON form has the keys "name", "path" and "base_model_name"')
-            return LoraModule(
-                fields.get("name") or "", fields.get("path") or "", fields.get("base_model_name")
-            )
-        name, sep, path = text.partition("=")
-        if not sep:
-            raise ValueError("expected name=path")
-        return LoraModule(name.strip(), path.strip())
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-        raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
-
-
-def json_list(text: str) -> list[str]:
-    """vLLM's spelling of --allowed-origins and its siblings: a JSON list of strings."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise argparse.ArgumentTypeError(
-            f"expected a JSON list of strings, e.g. '[\"https://app.example\"]', got {text!r}"
-        )
-    return value
-
-
-def _add_cors_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--allowed-origins", type=json_list, metavar="JSON",
-        help='turn CORS on for these origins: a JSON list, e.g. \'["https://app.example"]\' or \'["*"]\' (default: off)',
-    )  # fmt: skip
-    p.add_argument("--allowed-methods", type=json_list, metavar="JSON", help='CORS methods (default ["*"])')
-    p.add_argument(
-        "--allowed-headers", type=json_list, metavar="JSON", help='CORS request headers (default ["*"])'
-    )
-    p.add_argument(
-        "--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
-        help="CORS: let browsers send credentials (never with the origin *)",
-    )  # fmt: skip
-
-
-def _add_lora_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--enable-lora",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reserve LoRA adapter slots (implied by --lora-modules)",
-    )
-    p.add_argument(
-        "--lora-modules",
-        type=lora_module,
-        nargs="+",
-        action="extend",
-        metavar="NAME=PATH",
-        help='adapters to load at start: name=path or {"name": .., "path": .., "base_model_name": ..}',
-    )
-    p.add_argument("--max-loras", type=int, help="adapters loaded at once (default 4)")
-    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
-    p.add_argument("--admin-api-key", action="append", help="bearer token of the admin routes; repeatable")
-    p.add_argument(
-        "--lora-root", help="directory /v1/load_lora_adapter may load from (default: no run-time loads)"
-    )
-
-
-def _add_media_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--allowed-local-media-path",
-        help="directory local media files (file://, bare paths) may come from (default /data/multimodal_inputs; "
-        "'' turns local files off)",
-    )
-    p.add_argument(
-        "--allowed-media-domains",
-        type=split_domains,
-        help="comma-separated hosts http(s) media may come from (default: ALLOWED_MEDIA_DOMAINS_ENV, else none)",
-    )
-    p.add_argument("--max-concurrent-media-fetches", type=int, help="media downloads at once (default 8)")
-    p.add_argument(
-        "--media-fetch-timeout", type=float, help="seconds one media download may take (default 60)"
-    )
 
 
 def _add_serve_parser(subparsers: Any) -> None:
@@ -206,9 +113,9 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    _add_cors_options(p)
-    _add_lora_options(p)
-    _add_media_options(p)
+    add_cors_options(p)
+    add_lora_options(p)
+    add_media_options(p)
 
 
 def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:

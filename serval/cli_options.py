@@ -1,0 +1,111 @@
+"""The `serval serve` command's option types and its groups of related flags (CORS, LoRA, media), for cli.py.
+
+Owns how a flag's text becomes a value (sizes such as `4GiB`, `NAME=PATH` adapters, vLLM's JSON lists) and
+the help each group prints; cli.py turns the parsed options into configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from serval.config import LoraModule
+from serval.server_config import split_domains
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """'1073741824', '4GiB', '512M', '1.5G' -> bytes (k/M/G/T are powers of 1024 either way, as in vLLM)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
+
+
+def lora_module(text: str) -> LoraModule:
+    """vLLM's --lora-modules forms: 'name=path', or JSON {"name", "path", "base_model_name"}."""
+    try:
+        if text.lstrip().startswith("{"):
+            fields = json.loads(text)
+            if not isinstance(fields, dict) or set(fields) - {"name", "path", "base_model_name"}:
+                raise ValueError('the JSON form has the keys "name", "path" and "base_model_name"')
+            return LoraModule(
+                fields.get("name") or "", fields.get("path") or "", fields.get("base_model_name")
+            )
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError("expected name=path")
+        return LoraModule(name.strip(), path.strip())
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
+
+
+def json_list(text: str) -> list[str]:
+    """vLLM's spelling of --allowed-origins and its siblings: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of strings, e.g. '[\"https://app.example\"]', got {text!r}"
+        )
+    return value
+
+
+def add_cors_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-origins", type=json_list, metavar="JSON",
+        help='turn CORS on for these origins: a JSON list, e.g. \'["https://app.example"]\' or \'["*"]\' (default: off)',
+    )  # fmt: skip
+    p.add_argument("--allowed-methods", type=json_list, metavar="JSON", help='CORS methods (default ["*"])')
+    p.add_argument(
+        "--allowed-headers", type=json_list, metavar="JSON", help='CORS request headers (default ["*"])'
+    )
+    p.add_argument(
+        "--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
+        help="CORS: let browsers send credentials (never with the origin *)",
+    )  # fmt: skip
+
+
+def add_lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reserve LoRA adapter slots (implied by --lora-modules)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help='adapters to load at start: name=path or {"name": .., "path": .., "base_model_name": ..}',
+    )
+    p.add_argument("--max-loras", type=int, help="adapters loaded at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
+    p.add_argument("--admin-api-key", action="append", help="bearer token of the admin routes; repeatable")
+    p.add_argument(
+        "--lora-root", help="directory /v1/load_lora_adapter may load from (default: no run-time loads)"
+    )
+
+
+def add_media_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-local-media-path",
+        help="directory local media files (file://, bare paths) may come from (default /data/multimodal_inputs; "
+        "'' turns local files off)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=split_domains,
+        help="comma-separated hosts http(s) media may come from (default: ALLOWED_MEDIA_DOMAINS_ENV, else none)",
+    )
+    p.add_argument("--max-concurrent-media-fetches", type=int, help="media downloads at once (default 8)")
+    p.add_argument(
+        "--media-fetch-timeout", type=float, help="seconds one media download may take (default 60)"
+    )
