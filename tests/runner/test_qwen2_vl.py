@@ -278,3 +278,19 @@ def test_bf16_follows_fp32(vl, cases):
     )
     difference = (serval_logits(bf16, ids, items) - fp32).abs().max().item()
     assert difference < 0.05 * fp32.abs().max().item()
+
+
+def test_the_tower_s_plain_pytorch_rotation_matches_the_native_kernel(vl, cases):
+    from serval.runner.models.qwen2_vl_vision import VisionAttention
+
+    engine = make_engine(vl[0])
+    model, items = engine.runner.model, cases["two images"][1]
+    attentions = [m for m in model.visual.modules() if isinstance(m, VisionAttention)]
+    if attentions[0].native_rotary is None:
+        pytest.skip("the native kernels are not built here")
+    with torch.inference_mode():
+        native = model.encode(items)
+        for attention in attentions:
+            attention.native_rotary = None
+        plain = model.encode(items)
+    assert (native - plain).abs().max().item() < 1e-5

@@ -22,7 +22,7 @@ import torch
 from serval.runner.layers import RopeTables
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.llama import LlamaForCausalLM
-from serval.runner.models.qwen2_vl_vision import VisionTower
+from serval.runner.models.qwen2_vl_vision import VisionAttention, VisionTower
 
 if TYPE_CHECKING:
     from serval.runner.attention import AttentionMetadata
@@ -101,6 +101,13 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def max_position(self) -> int:
         """The largest position the rotary tables hold."""
         return self.rotary.cos.shape[0] - 1
+
+    def use_kernels(self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False) -> None:
+        """The decoder's kernels (llama.py), and the vision tower's rotation through the native RoPE kernel."""
+        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations)
+        for module in self.visual.modules():
+            if isinstance(module, VisionAttention):
+                module.native_rotary = kernels.rotary_embedding_
 
     # ---- the encoder and the forward pass
 
