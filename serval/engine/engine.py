@@ -112,8 +112,12 @@ class Engine:
         if any(t >= vocab_size for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         lora = None if lora_name is None else self.loras.get(lora_name)
-        # Checked, and its positions computed, before anything is added.
-        media_prompt = self.runner.prepare_media(prompt_token_ids, media) if media else None
+        media_prompt = None
+        if media:  # checked, and its positions computed, before anything is added
+            max_num_tokens = min(
+                self.max_model_len, len(prompt_token_ids) + (params.max_tokens or self.max_model_len)
+            )
+            media_prompt = self.runner.prepare_media(prompt_token_ids, media, max_num_tokens)
         if params.use_beam_search:
             if constraint is not None:
                 raise ValueError("beam search can't follow a grammar (one constraint per beam is not kept)")

@@ -137,37 +137,3 @@ def _rows(prompts, num_new_tokens, num_computed_tokens) -> MediaRows | None:
     if not rows:
         return None
     return MediaRows(torch.cat(rows), torch.cat(embeddings))
-
-
-def check_media_items(arch, prompt_token_ids: list[int], items: tuple[MediaInput, ...]) -> None:
-    """ValueError unless every item (by offset) fits the prompt and the model: its run inside the prompt,
-    apart from the others, all its rows the placeholder id of its kind, its grid and pixel values the shape
-    the model's encoder makes num_tokens rows of."""
-    vision = arch.vision
-    if vision is None:
-        raise ValueError(f"{arch.architecture} has no vision encoder")
-    m = vision.spatial_merge_size
-    previous_end = 0
-    for item in items:
-        t, h, w = item.grid
-        if not (0 <= item.offset and previous_end <= item.offset and item.end <= len(prompt_token_ids)):
-            raise ValueError(
-                f"a media item's run [{item.offset}, {item.end}) is outside the prompt or overlaps"
-            )
-        if t < 1 or h < m or w < m or h % m or w % m or (t != 1 and not item.is_video):
-            raise ValueError(f"a media item's grid {item.grid} does not fit the encoder (merge size {m})")
-        if item.num_tokens != t * h * w // (m * m):
-            raise ValueError(
-                f"a media item of grid {item.grid} has {item.num_tokens} rows, not {t * h * w // m**2}"
-            )
-        if tuple(item.pixel_values.shape) != (t * h * w, vision.patch_dim):
-            expected = (t * h * w, vision.patch_dim)
-            raise ValueError(
-                f"a media item's pixel values are {tuple(item.pixel_values.shape)}, not {expected}"
-            )
-        placeholder = vision.video_token_id if item.is_video else vision.image_token_id
-        if any(token != placeholder for token in prompt_token_ids[item.offset : item.end]):
-            raise ValueError(
-                f"the prompt's run [{item.offset}, {item.end}) is not all placeholder id {placeholder}"
-            )
-        previous_end = item.end

@@ -19,7 +19,7 @@ from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
-from serval.runner.media import MediaInput, MediaPrompt, check_media_items, media_step
+from serval.runner.media import MediaInput, MediaPrompt, media_step
 from serval.runner.sampler import Sampler
 
 
@@ -186,20 +186,25 @@ class ModelRunner:
     def accepts_media(self) -> bool:
         return hasattr(self.model, "encode")
 
-    def prepare_media(self, prompt_token_ids: list[int], items: tuple[MediaInput, ...]) -> MediaPrompt:
+    def prepare_media(
+        self, prompt_token_ids: list[int], items: tuple[MediaInput, ...], max_num_tokens: int
+    ) -> MediaPrompt:
         """A prompt's media state: its items checked against the prompt and the model, its M-RoPE positions
-        computed (once). ValueError for items this prompt or model cannot take."""
+        computed (once). max_num_tokens: the most tokens its context can reach (prompt and answer).
+        ValueError for items this prompt or model cannot take."""
         if not self.accepts_media:
             raise ValueError(f"{self.arch.architecture} does not take media inputs")
         items = tuple(sorted(items, key=lambda item: item.offset))
-        check_media_items(self.arch, prompt_token_ids, items)
+        if items[0].offset < 0:
+            raise ValueError("a media item's run starts before the prompt")
+        self.model.check_media(prompt_token_ids, items)
         positions, delta = self.model.mrope_positions(len(prompt_token_ids), items)
-        # Output tokens continue at i + delta; the rotary tables must hold every position of the context.
-        largest = max(int(positions.max()), self.max_model_len - 1 + delta)
+        # Output token i sits at i + delta: the rotary tables must hold every position the context reaches.
+        largest = max(int(positions.max()), max_num_tokens - 1 + delta)
         if largest > self.model.max_position:
             raise ValueError(
-                f"the media's positions reach {largest}, past the {self.model.max_position + 1} this model "
-                "was started with (--max-model-len)"
+                f"the media's positions run to {largest} with the answer, past this model's "
+                f"{self.model.max_position + 1}: ask for fewer tokens or a lower video fps"
             )
         return MediaPrompt(items, positions, delta)
 

@@ -1,8 +1,7 @@
 """A tiny Qwen2-VL checkpoint (written by transformers) served by the real `serval serve` on loopback and
-asked through the real openai client: an image as a data: URL of a PNG made with Pillow is counted in
-usage.prompt_tokens_details.image_tokens and answered with what transformers' greedy generate answers for
-the same prompt and pixels (its own image processor's pixel_values); bad media are 400s in the OpenAI error
-shape."""
+asked through the real openai client: an image as a data: URL of a PNG made with Pillow, and an MP4 made
+with PyAV, are counted in usage.prompt_tokens_details and answered token for token as transformers' greedy
+generate answers the same prompt and pixels; bad media are 400s in the OpenAI error shape."""
 
 from __future__ import annotations
 
@@ -14,11 +13,13 @@ import openai
 import pytest
 import torch
 
-from serval.serving.media.decode import decode_image
+from serval.serving.media.decode import decode_image, decode_video
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.processor import read_resize_bounds
+from serval.serving.media.qwen2_vl import Qwen2VLProcessor
 from tests.e2e.conftest import launch
-from tests.fixtures.tiny_vl import IMAGE_PAD, VISION_END, VISION_START
+from tests.fixtures.tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+from tests.serving.media.files import video_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -76,29 +77,37 @@ def answer_bytes(answer) -> list[bytes]:
 
 
 def oracle_answer(directory: str, reference, png: bytes) -> tuple[int, int, str, list[bytes]]:
-    """transformers' greedy answer to the prompt serval renders: (prompt tokens, image tokens, text, the
-    tokens' bytes)."""
-    from tokenizers import Tokenizer
+    """transformers' greedy answer to an image and the question, as serval renders the prompt: (prompt tokens,
+    image tokens, text, the tokens' bytes). Its pixel values come from transformers' own image processor."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from serval.model_source import resolve_model
-    from serval.serving.tokenizer import Tokenizer as ServalTokenizer
 
     pixels = decode_image(io.BytesIO(png), None, read_resize_bounds(directory), MediaConfig(), "p").pixels
     features = Qwen2VLImageProcessorPil()(images=[pixels], do_resize=False, return_tensors="pt")
     num_pads = int(features["image_grid_thw"].prod()) // 4
+    return generate(directory, reference, IMAGE_PAD, num_pads, **features)
+
+
+def generate(
+    directory: str, reference, pad: int, num_pads: int, **features
+) -> tuple[int, int, str, list[bytes]]:
+    from tokenizers import Tokenizer
+
+    from serval.model_source import resolve_model
+    from serval.serving.tokenizer import Tokenizer as ServalTokenizer
+
     tokenizer = Tokenizer.from_file(f"{directory}/tokenizer.json")
-    # The template's text around the message, the image's run first in it, then the user's text.
+    # The template's text around the message, the item's run first in it, then the user's text.
     ids = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False).ids
-    ids += [VISION_START, *[IMAGE_PAD] * num_pads, VISION_END]
+    ids += [VISION_START, *[pad] * num_pads, VISION_END]
     ids += tokenizer.encode(QUESTION, add_special_tokens=False).ids
     ids += tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
     input_ids = torch.tensor([ids])
+    kind = 1 if pad == IMAGE_PAD else 2
     with torch.no_grad():
         out = reference.generate(
-            input_ids=input_ids, pixel_values=features["pixel_values"],
-            image_grid_thw=features["image_grid_thw"], mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
-            max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=reference.config.text_config.eos_token_id, pad_token_id=0,
+            input_ids=input_ids, mm_token_type_ids=kind * (input_ids == pad).int(), **features,
+            max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+            eos_token_id=reference.config.text_config.eos_token_id,
         )  # fmt: skip
     generated = out[0, len(ids) :].tolist()
     token_bytes = ServalTokenizer.from_source(resolve_model(directory)).token_bytes
@@ -126,6 +135,28 @@ def test_an_image_is_counted_and_answered_as_transformers_answers(vl_server):
     other_tokens = oracle_answer(directory, reference, other)[3]
     assert other_tokens != tokens
     assert answer_bytes(ask(client, {"type": "image_url", "image_url": url})) == other_tokens
+
+
+def test_a_video_is_counted_and_answered_as_transformers_answers(vl_server):
+    # 2 s of 64 x 48 at 10 fps, sampled at 2 fps: 4 frames of 56 x 56, 2 frame pairs of 2 x 2 merged patches.
+    # transformers' video processor needs torchvision, so the oracle's pixels are serval's decoding and
+    # patches (checked against the frames they cut in tests/serving/media/test_qwen2_vl_processor.py).
+    client, directory, reference = vl_server
+    clip = video_bytes(2.0, fps=10)
+    answer = ask(client, {"type": "video_url", "video_url": {"url": data_url("video/mp4", clip)}, "fps": 2})
+    processor = Qwen2VLProcessor.from_model_dir(directory)
+    decoded = decode_video(io.BytesIO(clip), None, 2.0, processor.resize_bounds, None, MediaConfig(), "p")
+    prepared = processor.encoder_input(decoded, b"")
+    assert prepared.grid == (2, 4, 4)
+    num_prompt, num_video, text, tokens = generate(
+        directory, reference, VIDEO_PAD, prepared.num_tokens,
+        pixel_values_videos=prepared.pixel_values, video_grid_thw=torch.tensor([prepared.grid]),
+    )  # fmt: skip
+    details = answer.usage.prompt_tokens_details.model_dump()
+    assert (answer.usage.prompt_tokens, details["video_tokens"], details["image_tokens"]) == (
+        num_prompt, num_video, 0,
+    )  # fmt: skip
+    assert num_video == 10 and answer_bytes(answer) == tokens and answer.choices[0].message.content == text
 
 
 @pytest.mark.parametrize(

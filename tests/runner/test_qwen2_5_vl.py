@@ -5,6 +5,8 @@ in fp32 and equal greedy tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from serval.runner.loader.safetensors import read_hf_config
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.qwen2_vl_vision import window_order
+from serval.sampling import SamplingParams
 from serval.serving.media.decode import DecodedVideo
 from serval.serving.media.parts import MediaKind
 from serval.serving.media.processor import content_hash
@@ -75,8 +78,20 @@ def test_logits_and_greedy_tokens_match_transformers(vl, case):
             kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"),
             kwargs.get("video_grid_thw"), kwargs.get("second_per_grid_ts"),
         )  # fmt: skip
-    assert torch.equal(engine.runner.prepare_media(ids, items).positions, positions[:, 0])
+    assert torch.equal(engine.runner.prepare_media(ids, items, len(ids) + 8).positions, positions[:, 0])
     assert (serval_logits(engine, ids, items) - theirs).abs().max().item() < 1e-3
     engine = make_engine(directory)
     extra = {"second_per_grid_ts": kwargs["second_per_grid_ts"]} if videos else {}
     assert greedy(engine, [(ids, items)])[0] == oracle_greedy(reference, ids, items, **extra)
+
+
+def test_video_time_past_the_rotary_tables_is_refused(vl):
+    clip = slow_video(vl[2])
+    ids, items = prompt_of(TEXT[0], dataclasses.replace(clip, seconds_per_grid=600.0), TEXT[1])
+    engine = make_engine(vl[0])
+    with pytest.raises(ValueError, match="positions run to 1"):  # time 1200 a patch: past the 1024 held
+        engine.add_request("far", ids, SamplingParams(max_tokens=4), media=items)
+    assert not engine.has_unfinished_requests()
+    near = (dataclasses.replace(items[0], seconds_per_grid=1.0),)  # the same video sampled at 2 fps
+    engine.add_request("near", ids, SamplingParams(max_tokens=4), media=near)
+    assert engine.has_unfinished_requests()

@@ -96,7 +96,7 @@ def oracle_inputs(ids: list[int], items: tuple[MediaInput, ...]) -> dict:
 
 
 def serval_logits(engine: Engine, ids: list[int], items) -> torch.Tensor:
-    prompt = engine.runner.prepare_media(ids, items)
+    prompt = engine.runner.prepare_media(ids, items, len(ids) + 8)
     num_blocks = -(-len(ids) // engine.runner.block_size)
     batch = Batch(ids, [len(ids)], [0], [list(range(num_blocks))], [0], [], media=[prompt])
     return engine.runner.compute_logits(batch)[0]
@@ -158,7 +158,7 @@ def test_logits_and_greedy_tokens_match_transformers(vl, engine, logits_engine, 
             torch.tensor([ids]), oracle_inputs(ids, items)["mm_token_type_ids"],
             oracle_inputs(ids, items).get("image_grid_thw"), oracle_inputs(ids, items).get("video_grid_thw"),
         )  # fmt: skip
-    prompt = engine.runner.prepare_media(ids, items)
+    prompt = engine.runner.prepare_media(ids, items, len(ids) + 8)
     assert torch.equal(prompt.positions, positions[:, 0]) and prompt.position_delta == int(delta)
     ours = serval_logits(logits_engine, ids, items)
     assert (ours - out.logits[0, -1]).abs().max().item() < 1e-3
@@ -181,7 +181,7 @@ def test_text_continues_after_the_largest_position_of_a_long_video(vl, engine):
     decoded = DecodedVideo(frames, tuple(range(6)), 6.0, "mp4")
     clip = vl[2].encoder_input(decoded, b"v")
     ids, items = prompt_of([40, 41], clip, [42, 43])
-    prompt = engine.runner.prepare_media(ids, items)
+    prompt = engine.runner.prepare_media(ids, items, len(ids) + 8)
     assert prompt.positions.tolist() == [
         [0, 1, 2, 3, 4, 5, 6, 7, 8],  # text, vision_start, t = 0 1 2, vision_end, text
         [0, 1, 2, 3, 3, 3, 6, 7, 8],
@@ -278,3 +278,53 @@ def test_bf16_follows_fp32(vl, cases):
     )
     difference = (serval_logits(bf16, ids, items) - fp32).abs().max().item()
     assert difference < 0.05 * fp32.abs().max().item()
+
+
+def test_the_tower_s_plain_pytorch_rotation_matches_the_native_kernel(vl, cases):
+    from serval.runner.models.qwen2_vl_vision import VisionAttention
+
+    engine = make_engine(vl[0])
+    model, items = engine.runner.model, cases["two images"][1]
+    attentions = [m for m in model.visual.modules() if isinstance(m, VisionAttention)]
+    if attentions[0].native_rotary is None:
+        pytest.skip("the native kernels are not built here")
+    with torch.inference_mode():
+        native = model.encode(items)
+        for attention in attentions:
+            attention.native_rotary = None
+        plain = model.encode(items)
+    assert (native - plain).abs().max().item() < 1e-5
+
+
+BAD_ITEMS = {
+    "run past the prompt": lambda item, ids: dataclasses.replace(item, offset=len(ids) - 3),
+    "run over text": lambda item, ids: dataclasses.replace(item, offset=item.offset - 2),
+    "video id for an image": lambda item, ids: dataclasses.replace(item, is_video=True),
+    "rows for another grid": lambda item, ids: dataclasses.replace(item, grid=(1, 4, 12)),
+    "odd grid": lambda item, ids: dataclasses.replace(item, grid=(1, 5, 16), num_tokens=20),
+    "pixels of another shape": lambda item, ids: dataclasses.replace(
+        item, pixel_values=item.pixel_values[:, :-1]
+    ),
+    "an image with frames": lambda item, ids: dataclasses.replace(item, grid=(2, 4, 10)),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ITEMS)
+def test_bad_media_items_are_refused_before_anything_is_added(engine, cases, case):
+    ids, items = cases["one image"]
+    bad = BAD_ITEMS[case](items[0], ids)
+    params = SamplingParams(max_tokens=4)
+    try:
+        with pytest.raises(ValueError):
+            engine.add_request("bad", ids, params, media=(bad,))
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.abort_request("bad")
+
+
+def test_a_text_only_model_refuses_media(tiny_model_factory, cases):
+    directory, _ = tiny_model_factory("qwen2", False)
+    engine = make_engine(directory)
+    ids, items = cases["one image"]
+    with pytest.raises(ValueError, match="does not take media"):
+        engine.add_request("x", ids, SamplingParams(max_tokens=4), media=items)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serval.runner.layers import RopeTables
+from serval.runner.layers import RopeTables, RotaryEmbedding, rope_inverse_frequencies
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.llama import LlamaForCausalLM
-from serval.runner.models.qwen2_vl_vision import VisionTower
+from serval.runner.models.qwen2_vl_vision import VisionAttention, VisionTower
 
 if TYPE_CHECKING:
     from serval.runner.attention import AttentionMetadata
@@ -54,7 +54,38 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             return name, None
         return super().weight_target(name.replace("language_model.", "", 1))
 
-    # ---- positions
+    # ---- media items and their positions
+
+    def check_media(self, prompt_token_ids: list[int], items: Sequence[MediaInput]) -> None:
+        """ValueError unless every item (by offset) fits the prompt and the tower: its run inside the
+        prompt, apart from the others, all its rows the placeholder id of its kind, its grid and pixel
+        values the shape the tower makes num_tokens rows of."""
+        vision = self.arch.vision
+        m = vision.spatial_merge_size
+        previous_end = 0
+        for item in items:
+            t, h, w = item.grid
+            if not (previous_end <= item.offset and item.end <= len(prompt_token_ids)):
+                raise ValueError(
+                    f"a media item's run [{item.offset}, {item.end}) is outside the prompt or overlaps"
+                )
+            if t < 1 or h < m or w < m or h % m or w % m or (t != 1 and not item.is_video):
+                raise ValueError(f"a media item's grid {item.grid} does not fit the encoder (merge size {m})")
+            if item.num_tokens != t * h * w // (m * m):
+                raise ValueError(
+                    f"a media item of grid {item.grid} has {item.num_tokens} rows, not {t * h * w // m**2}"
+                )
+            expected = (t * h * w, vision.patch_dim)
+            if tuple(item.pixel_values.shape) != expected:
+                raise ValueError(
+                    f"a media item's pixel values are {tuple(item.pixel_values.shape)}, not {expected}"
+                )
+            placeholder = vision.video_token_id if item.is_video else vision.image_token_id
+            if any(token != placeholder for token in prompt_token_ids[item.offset : item.end]):
+                raise ValueError(
+                    f"the prompt's run [{item.offset}, {item.end}) is not all placeholder id {placeholder}"
+                )
+            previous_end = item.end
 
     def mrope_positions(self, num_tokens: int, items: Sequence[MediaInput]) -> tuple[torch.Tensor, int]:
         """The (3, num_tokens) int64 positions of a prompt whose media items sit at `items`' offsets, and the
@@ -101,6 +132,21 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def max_position(self) -> int:
         """The largest position the rotary tables hold."""
         return self.rotary.cos.shape[0] - 1
+
+    def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
+        # Past the context too: a Qwen2.5-VL video's time positions can run ahead of its token count, and
+        # the output tokens continue from its largest position.
+        arch = self.arch
+        inv_freq = rope_inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors)
+        size = max(self.max_positions, arch.max_position_embeddings)
+        return RotaryEmbedding(arch.head_dim, size, inv_freq)
+
+    def use_kernels(self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False) -> None:
+        """The decoder's kernels (llama.py), and the vision tower's rotation through the native RoPE kernel."""
+        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations)
+        for module in self.visual.modules():
+            if isinstance(module, VisionAttention):
+                module.native_rotary = kernels.rotary_embedding_
 
     # ---- the encoder and the forward pass
 

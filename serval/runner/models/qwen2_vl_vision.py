@@ -52,6 +52,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    native_rotary = None  # kernels.rotary_embedding_ (in place, fp32 math), set by the model's use_kernels
+
     def __init__(self, vision: VisionArch):
         super().__init__()
         self.num_heads = vision.num_heads
@@ -69,15 +71,24 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # The rotation in fp32, as the reference does, whatever the compute dtype.
-        q = apply_rope(q.float(), cos, sin).to(v.dtype)
-        k = apply_rope(k.float(), cos, sin).to(v.dtype)
-        out = torch.empty_like(q)  # (num_patches, num_heads, head_dim)
-        for start, end in itertools.pairwise(bounds):
-            rows = slice(start, end)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        if self.native_rotary is not None:
+            self.native_rotary(q, k, cos, sin)  # in place on the views of qkv's output
+        else:
+            q = apply_rope(q.float(), cos, sin).to(v.dtype)
+            k = apply_rope(k.float(), cos, sin).to(v.dtype)
+        # (1, num_heads, num_patches, head_dim): 4-D, so SDPA takes its fused CPU kernel, not the math path.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if len(bounds) == 2:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+                    for a, b in itertools.pairwise(bounds)
+                ],
+                dim=2,
             )
-            out[rows] = o.transpose(0, 1)
+        out = out[0].transpose(0, 1)  # (num_patches, num_heads, head_dim)
         return self.proj(out.reshape(n, -1))
 
 

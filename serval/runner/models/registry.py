@@ -2,8 +2,8 @@
 
 Protocol of a model class: `__init__(arch: ArchConfig, max_positions: int)`, `load_weights(iterable of
 (hf_name, tensor))`, and `forward(input_ids, positions, kv_caches, meta, logit_rows) -> logits`. A multimodal
-one also has `mrope_positions(num_tokens, items)`, `encode(items)` and a `media=` argument of forward
-(runner/media.py says when the runner uses them).
+one also has `check_media(prompt_token_ids, items)`, `mrope_positions(num_tokens, items)`, `encode(items)`,
+`max_position` and a `media=` argument of forward (runner/media.py says when the runner uses them).
 """
 
 from __future__ import annotations
