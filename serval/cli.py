@@ -18,6 +18,7 @@ from typing import Any
 
 from serval.cli_options import (
     add_cors_options,
+    add_grammar_options,
     add_lora_options,
     add_media_options,
     byte_size,
@@ -99,19 +100,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         choices=["auto", *TOOL_CALL_FORMATS],
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
-    p.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        help="seconds a new grammar (response_format, tools) may take to compile; past it a 400 (default 10)",
-    )
-    p.add_argument(
-        "--grammar-compile-memory",
-        type=byte_size,
-        help="memory one grammar compile may take, e.g. 512MiB; past it a 400 (default 1GiB)",
-    )
-    p.add_argument(
-        "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
-    )
+    add_grammar_options(p)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add_cors_options(p)
     add_lora_options(p)

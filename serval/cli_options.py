@@ -1,4 +1,5 @@
-"""The `serval serve` command's option types and its groups of related flags (CORS, LoRA, media), for cli.py.
+"""The `serval serve` command's option types and its groups of related flags (grammars, CORS, LoRA, media), for
+cli.py.
 
 Owns how a flag's text becomes a value (sizes such as `4GiB`, `NAME=PATH` adapters, vLLM's JSON lists) and
 the help each group prints; cli.py turns the parsed options into configs.
@@ -108,4 +109,20 @@ def add_media_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-media-fetches", type=int, help="media downloads at once (default 8)")
     p.add_argument(
         "--media-fetch-timeout", type=float, help="seconds one media download may take (default 60)"
+    )
+
+
+def add_grammar_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        help="seconds a new grammar (response_format, tools) may take to compile; past it a 400 (default 10)",
+    )
+    p.add_argument(
+        "--grammar-compile-memory",
+        type=byte_size,
+        help="memory one grammar compile may take, e.g. 512MiB; past it a 400 (default 1GiB)",
+    )
+    p.add_argument(
+        "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
