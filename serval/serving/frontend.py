@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -75,12 +74,8 @@ class Frontend:
         self.text_threads = TextThreads()
         self.media = MediaLoader(media_config or MediaConfig())
         self.media_processor = media_processor
-        if media_processor is not None and not self.media.fetcher.has_reserved_space():
-            logging.getLogger(__name__).warning(
-                "media downloads spool to %s, which has less free space than MindIE reserves for them "
-                "(largest file x concurrent downloads x 1.5 = %d bytes)",
-                self.media.fetcher.spool_dir, self.media.config.reservation_bytes,
-            )  # fmt: skip
+        if media_processor is not None:
+            self.media.warn_if_short_of_spool_space()
 
     @property
     def max_model_len(self) -> int:

@@ -45,6 +45,16 @@ class MediaLoader:
             max_workers=config.decode_threads, thread_name_prefix="serval-media"
         )
 
+    def warn_if_short_of_spool_space(self) -> None:
+        """MindIE's start-up check, for a server whose model reads media: a warning when the spool directory
+        has less room than largest file x concurrent downloads x 1.5 (each download still reserves its own)."""
+        if not self.fetcher.has_reserved_space():
+            logger.warning(
+                "media downloads spool to %s, which has less free space than MindIE reserves for them "
+                "(largest file x concurrent downloads x 1.5 = %d bytes)",
+                self.fetcher.spool_dir, self.config.reservation_bytes,
+            )  # fmt: skip
+
     def check_count(self, parts: Sequence[MediaPart]) -> None:
         num_items = sum(len(part.sources) for part in parts)
         if num_items > self.config.max_media_items:
