@@ -21,6 +21,7 @@ from serval.cli_options import (
     add_grammar_options,
     add_lora_options,
     add_media_options,
+    add_replica_options,
     byte_size,
 )
 from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
@@ -105,6 +106,7 @@ def _add_serve_parser(subparsers: Any) -> None:
     add_cors_options(p)
     add_lora_options(p)
     add_media_options(p)
+    add_replica_options(p)
 
 
 def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
@@ -202,6 +204,21 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     return ServerConfig(**fields)
 
 
+def replica_config(options: dict[str, Any]):
+    """The replica set of --replicas, or None: one engine in this process (Ray is never imported)."""
+    if "replicas" not in options:
+        for name in ("replica_threads", "ray_address", "replica_routing"):
+            if name in options:
+                raise ValueError(f"--{name.replace('_', '-')} needs --replicas")
+        return None
+    from serval.cluster.config import ReplicaConfig
+
+    return ReplicaConfig(
+        **_pick(options, {"replicas": "num_replicas", "replica_threads": "threads_per_replica",
+                          "ray_address": "ray_address", "replica_routing": "routing"})
+    )  # fmt: skip
+
+
 def max_seqs_per_request(options: dict[str, Any]) -> int:
     """The per-request cap on sequences; no larger than the waiting queue, or a request under it could never be
     admitted (admission is all or nothing). Unset, the default shrinks to fit a smaller queue."""
@@ -217,8 +234,9 @@ def max_seqs_per_request(options: dict[str, Any]) -> int:
     return cap
 
 
-def start_engine(engine: EngineConfig, source: ModelSource):
-    """The tokenizer and the running engine of `source`; exits with one line when the model can't load."""
+def start_engine(engine: EngineConfig, source: ModelSource, replicas=None):
+    """The tokenizer and the running engine of `source` (or, with `replicas`, the client of the replica set:
+    serval/cluster/); exits with one line when the model can't load."""
     # Heavy imports here: `serval --help` and config errors stay fast.
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
@@ -229,6 +247,14 @@ def start_engine(engine: EngineConfig, source: ModelSource):
         tokenizer = Tokenizer.from_source(source)
         # A multimodal checkpoint's processor (its preprocessor_config.json); None for a text-only model.
         media_processor = None if source.is_gguf else media_processor_for(source.path)
+        if replicas is not None:
+            import importlib.util
+
+            from serval.cluster.cluster import start_replicas
+
+            if importlib.util.find_spec("ray") is None:
+                sys.exit("serval: error: --replicas needs Ray Serve: pip install 'serval[replicas]'")
+            return tokenizer, start_replicas(engine, replicas), media_processor
         return tokenizer, EngineClient.start(engine), media_processor
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
@@ -269,11 +295,11 @@ def build_frontend_app(server: ServerConfig, tokenizer, client, media_processor=
     return frontend, build_app(server, frontend)
 
 
-def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> None:
+def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource, replicas=None) -> None:
     from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.lifetime import freeze_long_lived_objects
 
-    tokenizer, client, media_processor = start_engine(engine, source)
+    tokenizer, client, media_processor = start_engine(engine, source, replicas)
     try:
         frontend, app = build_frontend_app(server, tokenizer, client, media_processor)
         freeze_long_lived_objects()
@@ -293,7 +319,12 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
         if not run(app, server, frontend, on_started=started):
             sys.exit(STARTUP_FAILURE)  # the port is taken, ...: uvicorn logged why
     finally:
-        client.shutdown()
+        if replicas is not None:
+            from serval.cluster.cluster import stop_replicas
+
+            stop_replicas(client)
+        else:
+            client.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -319,9 +350,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             engine = engine_config(options)
             source = resolve_model(engine.model.model)
             server = server_config(options, options.get("model") or source.name)
+            replicas = replica_config(options)
         except (ValueError, OSError) as e:
             parser.error(str(e))
-        serve(engine, server, source)
+        serve(engine, server, source, replicas)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,23 @@ def add_grammar_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
+
+
+def add_replica_options(p: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve (serval/cluster/, docs/deploy/replicas.md)."""
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="engine replicas on Ray Serve behind this server's one endpoint (default: one engine in this "
+        "process, no Ray); each loads the model and has the KV cache the usual flags set",
+    )
+    p.add_argument("--replica-threads", type=int, help="CPU threads of each replica (default 1)")
+    p.add_argument(
+        "--ray-address", help="join this Ray cluster (e.g. auto, host:6379) instead of starting a local one"
+    )
+    p.add_argument(
+        "--replica-routing",
+        choices=["prefix", "round_robin"],
+        help="prefix (default): a prompt head seen before goes to the replica caching it while load allows, "
+        "else to the least-loaded replica; round_robin: in turn",
+    )

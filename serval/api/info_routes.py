@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from serval.api import requests as req
 from serval.api.body import parse
@@ -54,8 +54,12 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         return lora_model_card(card, config, ctx.started, frontend.max_model_len)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        # One engine: {"status": "ok"}. Replicas (serval/cluster/): each live one listed, "degraded" while
+        # some are down (still 200: the others answer), 503 "unavailable" while none is up.
+        report = frontend.health()
+        status_code = 503 if report["status"] == "unavailable" else 200
+        return JSONResponse(report, status_code=status_code)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

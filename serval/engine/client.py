@@ -253,6 +253,11 @@ class EngineClient:
         with self._lock:
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + self._num_pending)
 
+    def health(self) -> dict[str, str]:
+        """/health's body. NOTE: "ok" even with the engine thread gone, as before: a failed step fails only
+        its own requests, and the process is what a supervisor restarts."""
+        return {"status": "ok"}
+
     def shutdown(self) -> None:
         """Stop the engine thread once it has handled every command sent before; the requests in flight end
         with EngineDeadError, so no reader waits forever."""

@@ -109,6 +109,9 @@ class FailureKind(enum.Enum):
     INVALID = "invalid"  # the engine refused the request as asked (a check add_requests can't make)
     UNKNOWN_LORA = "unknown_lora"  # its adapter was unloaded before the engine thread added it
     ENGINE_DEAD = "engine_dead"  # a step failed, or the engine stopped, with the request in flight
+    # The waiting queue had no room: raised by add_requests in one process, but an event when the engine runs
+    # in another (a replica, serval/cluster/), whose admission happens there.
+    QUEUE_FULL = "queue_full"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class RequestFailed:
                 return ValueError(self.message)
             case FailureKind.UNKNOWN_LORA:
                 return UnknownLoraError(self.message)
+            case FailureKind.QUEUE_FULL:
+                return QueueFullError(self.message)
             case FailureKind.ENGINE_DEAD:
                 return EngineDeadError(self.message)
 

@@ -66,5 +66,7 @@ def from_failure(failed: RequestFailed) -> ServingError:
             return InvalidRequestError(failed.message)
         case FailureKind.UNKNOWN_LORA:
             return ModelNotFoundError(failed.message, "model")
+        case FailureKind.QUEUE_FULL:
+            return ServerBusyError(failed.message)
         case _:
             return EngineError(failed.message)

@@ -88,6 +88,10 @@ class Frontend:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def health(self) -> dict[str, Any]:
+        """/health's body: {"status": "ok"} for one engine; replicas add their own (serval/cluster/)."""
+        return self.engine.health()
+
     @property
     def media_kinds(self) -> frozenset[MediaKind]:
         """The media kinds the served model reads: none for a text-only model."""

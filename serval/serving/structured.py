@@ -145,6 +145,8 @@ class GrammarConstraint:
     def __init__(self, compiled: Any, vocab_size: int) -> None:
         import xgrammar
 
+        self.compiled = compiled
+        self.vocab_size = vocab_size
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # (1, ceil(vocab_size / 32)) int32
         self.is_rejected = False
@@ -162,6 +164,17 @@ class GrammarConstraint:
     @property
     def is_finished(self) -> bool:
         return self.is_rejected or self.matcher.is_terminated()
+
+    def __reduce__(self):
+        # Sent to an engine replica in another process (serval/cluster/) before it ever samples: xgrammar's
+        # objects don't pickle, so the compiled grammar travels as its JSON and the matcher starts afresh.
+        return (_constraint_from_json, (self.compiled.serialize_json(), self.vocab_size))
+
+
+def _constraint_from_json(compiled_json: str, vocab_size: int) -> GrammarConstraint:
+    import xgrammar
+
+    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(compiled_json), vocab_size)
 
 
 class GrammarCompiler:

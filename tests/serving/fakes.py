@@ -115,6 +115,9 @@ class FakeEngine:
             raise UnknownLoraError(f"the LoRA adapter {name!r} is not loaded")
         self.loras = {k: v for k, v in self.loras.items() if k != name}
 
+    def health(self):
+        return {"status": "ok"}
+
     def stats(self):
         from serval.engine.client import EngineStats
 

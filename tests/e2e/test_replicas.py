@@ -1,0 +1,202 @@
+"""`serval serve --replicas 2 --replica-threads 1`: two engine replicas on Ray Serve behind one endpoint.
+
+One replica server (a local Ray cluster) for the module, compared with the session's single server (same
+model, fp32). The fault test kills a replica process mid-load and runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import launch
+from tests.e2e.helpers import wait_until_idle
+
+pytestmark = pytest.mark.slow
+
+REPLICA_STARTUP_S = 300
+PREFIX = "You are a terse assistant. " * 24  # ~150 tokens: several full KV blocks shared by every request
+
+
+def _health(base_url: str) -> dict:
+    return httpx.get(base_url + "/health", timeout=10).json()
+
+
+def _wait_for_replicas(base_url: str, num: int, timeout: float, exclude_pids: frozenset[int] = frozenset()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            health = _health(base_url)
+            pids = {r["pid"] for r in health.get("replicas", [])}
+            if len(pids) == num and not pids & exclude_pids:
+                return health
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{num} replicas (not {sorted(exclude_pids)}) not up in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, server):
+    directory = tmp_path_factory.mktemp("replicas")
+    args = ["--log-level", "warning", "--dtype", "float32", "--replicas", "2", "--replica-threads", "1",
+            "--kv-cache-memory-bytes", "256MiB"]  # fmt: skip
+    replica_server = launch(args, str(directory / "replicas.log"))
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + REPLICA_STARTUP_S
+        while True:
+            if replica_server.process.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{replica_server.log_tail()}")
+            try:
+                if httpx.get(replica_server.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, replica_server.log_tail()
+            time.sleep(0.5)
+        health = _wait_for_replicas(replica_server.base_url, 2, 60)
+        pids.update(r["pid"] for r in health["replicas"])
+        replica_server.model = server.model
+        replica_server.pids = pids  # every replica pid seen, killed at teardown if still alive
+        yield replica_server
+    finally:
+        replica_server.stop()
+        for pid in pids:  # Ray stops them with the server; this is only a backstop
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _complete(base_url: str, model: str, prompt: str, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, **extra}
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_greedy_output_equals_the_single_server(replicas, server):
+    from openai import OpenAI
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    for prompt in prompts:
+        one = _complete(server.base_url, server.model, prompt)["choices"][0]["text"]
+        many = _complete(replicas.base_url, replicas.model, prompt)["choices"][0]["text"]
+        assert many == one and many
+    # Streamed chat, through the real openai client: the same deltas' text as the single server's answer.
+    messages = [{"role": "user", "content": "Name three colours."}]
+    texts = []
+    for base_url in (server.base_url, replicas.base_url):
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=24, temperature=0.0, stream=True
+        )
+        texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_n_and_structured_output_run_on_a_replica(replicas):
+    body = {"model": replicas.model, "messages": [{"role": "user", "content": "Give a JSON object."}],
+            "max_tokens": 40, "temperature": 0.8, "seed": 1, "n": 2, "response_format": {"type": "json_object"}}  # fmt: skip
+    response = httpx.post(replicas.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        if choice["finish_reason"] == "stop":
+            json.loads(choice["message"]["content"])  # the grammar held on the replica
+
+
+def test_shared_prefix_lands_on_the_replica_that_caches_it(replicas):
+    before = {r["id"]: r["num_prefix_cache_hits"] for r in _health(replicas.base_url)["replicas"]}
+    cached = []
+    for i in range(6):
+        usage = _complete(replicas.base_url, replicas.model, f"{PREFIX} Question {i}:", max_tokens=2)["usage"]
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    # Every request after the first found the shared head cached: all went where it was computed.
+    assert cached[0] == 0 or cached[0] < cached[1]
+    assert all(c >= 128 for c in cached[1:]), cached
+    time.sleep(3)  # both replicas report again
+    after = {r["id"]: r["num_prefix_cache_hits"] for r in _health(replicas.base_url)["replicas"]}
+    gains = sorted(after[i] - before.get(i, 0) for i in after)
+    assert gains[0] == 0 and gains[-1] >= sum(cached[1:]), (before, after)
+
+
+def test_bad_input_is_a_4xx_from_the_ingress(replicas):
+    cases = [
+        ({"prompt": "hi", "max_tokens": -1}, 400),
+        ({"prompt": "hi " * 5000, "max_tokens": 4}, 400),  # past the context
+        ({"prompt": [[10**9]], "max_tokens": 4}, 400),  # a token id outside the vocabulary
+        ({"prompt": "hi", "model": "no-such-model"}, 404),
+    ]
+    for extra, status in cases:
+        body = {"model": replicas.model, **extra}
+        response = httpx.post(replicas.base_url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == status, (extra, response.text)
+        assert set(response.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_disconnect_aborts_the_request_on_its_replica(replicas):
+    wait_until_idle(replicas.base_url, timeout=30)
+    body = {"model": replicas.model, "prompt": "Tell a long story.", "stream": True, "max_tokens": 2000,
+            "ignore_eos": True, "n": 2}  # fmt: skip
+    with httpx.stream("POST", replicas.base_url + "/v1/completions", json=body, timeout=60) as response:
+        received = [line for _, line in zip(range(12), response.iter_lines())]
+        assert any(line.startswith("data: ") for line in received)
+    wait_until_idle(replicas.base_url, timeout=30)  # the replica aborted both and freed every block
+
+
+def _stream_outcome(base_url: str, body: dict, outcomes: list) -> None:
+    """One streamed request: ("ok"), or ("error", status, error body) for an HTTP error or an SSE error event."""
+    try:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+            if response.status_code != 200:
+                outcomes.append(("error", response.status_code, json.loads(response.read())["error"]))
+                return
+            for line in response.iter_lines():
+                if line.startswith("data: {") and '"error"' in line[:20]:
+                    outcomes.append(("error", 200, json.loads(line[len("data: ") :])["error"]))
+                    return
+            outcomes.append(("ok",))
+    except httpx.HTTPError as e:
+        outcomes.append(("transport", repr(e)))
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(replicas):
+    health = _wait_for_replicas(replicas.base_url, 2, 60)
+    old_pids = frozenset(r["pid"] for r in health["replicas"])
+    outcomes: list = []
+    threads = []
+    for i in range(8):
+        body = {"model": replicas.model, "prompt": f"Story number {i}:", "stream": True, "max_tokens": 48,
+                "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+        thread = threading.Thread(target=_stream_outcome, args=(replicas.base_url, body, outcomes))
+        thread.start()
+        threads.append(thread)
+    time.sleep(1.5)  # mid-load: requests are running on both replicas
+    victim = min(old_pids)
+    os.kill(victim, signal.SIGKILL)
+    # The endpoint keeps answering meanwhile (the other replica, or the request sent again).
+    _complete(replicas.base_url, replicas.model, "Still there?", max_tokens=4)
+    for thread in threads:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a request hung after its replica died"
+    assert len(outcomes) == 8
+    for outcome in outcomes:
+        assert outcome[0] in ("ok", "error"), outcome
+        if outcome[0] == "error":  # the documented error of a request whose replica died
+            _, status, error = outcome
+            assert status in (200, 500) and error["code"] == "engine_error", outcome
+            assert "replica" in error["message"], outcome
+    assert any(outcome[0] == "ok" for outcome in outcomes)
+    # Ray restarts it: two replicas again, the victim not among them.
+    health = _wait_for_replicas(replicas.base_url, 2, 180, exclude_pids=frozenset({victim}))
+    replicas.pids.update(r["pid"] for r in health["replicas"])
+    _complete(replicas.base_url, replicas.model, "Back again?", max_tokens=4)
