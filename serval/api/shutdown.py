@@ -101,6 +101,10 @@ def run(
         ssl_certfile=server.ssl_certfile,
         log_level=server.log_level,
         timeout_graceful_shutdown=math.ceil(server.shutdown_grace_seconds + SHUTDOWN_MARGIN_S),
+        # NOTE: named, not "auto": uvicorn would switch to uvloop and httptools wherever they are installed
+        # (ray[serve], the replicas extra, brings both), changing the HTTP parser and loop under every test.
+        loop="asyncio",
+        http="h11",
     )
     graceful = GracefulServer(config, frontend.drain, server.shutdown_grace_seconds, on_started)
     graceful.run()

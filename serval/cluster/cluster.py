@@ -63,6 +63,8 @@ def start_replicas(engine: EngineConfig, replicas: ReplicaConfig) -> ReplicaClie
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
+        # Ray Serve logs every call at INFO (the ingress's report polls too); serval logs what matters.
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
     )
     handle = serve.run(deployment.bind(engine, threads), name=APP_NAME, route_prefix=None)
     info = handle.info.remote().result()
