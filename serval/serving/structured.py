@@ -167,14 +167,22 @@ class GrammarConstraint:
 
     def __reduce__(self):
         # Sent to an engine replica in another process (serval/cluster/) before it ever samples: xgrammar's
-        # objects don't pickle, so the compiled grammar travels as its JSON and the matcher starts afresh.
-        return (_constraint_from_json, (self.compiled.serialize_json(), self.vocab_size))
+        # objects don't pickle, so the compiled grammar and its tokenizer table travel as JSON and the matcher
+        # starts afresh. NOTE: the table is ~1.6 MB for a 49k vocabulary, ~50 ms to read back, per request.
+        compiled = self.compiled
+        return (
+            _constraint_from_json,
+            (compiled.serialize_json(), compiled.tokenizer_info.serialize_json(), self.vocab_size),
+        )
 
 
-def _constraint_from_json(compiled_json: str, vocab_size: int) -> GrammarConstraint:
+def _constraint_from_json(compiled_json: str, tokenizer_json: str, vocab_size: int) -> GrammarConstraint:
     import xgrammar
 
-    return GrammarConstraint(xgrammar.CompiledGrammar.deserialize_json(compiled_json), vocab_size)
+    tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_json)
+    return GrammarConstraint(
+        xgrammar.CompiledGrammar.deserialize_json(compiled_json, tokenizer_info), vocab_size
+    )
 
 
 class GrammarCompiler:

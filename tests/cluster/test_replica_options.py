@@ -51,3 +51,23 @@ def test_the_single_process_server_never_imports_ray():
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_grammar_constraint_crosses_to_a_replica_and_starts_afresh():
+    """A request's grammar matcher is pickled for the replica (xgrammar's objects don't pickle themselves):
+    the copy allows exactly what the original allows, and follows the same tokens the same way."""
+    import pickle
+
+    from serval.model_source import resolve_model
+    from serval.serving.structured import GrammarCompiler
+    from serval.serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(resolve_model(None))
+    grammar = GrammarCompiler(tokenizer).compile_now({"type": "json_object"})
+    original = grammar.new_constraint()
+    copy = pickle.loads(pickle.dumps(grammar.new_constraint()))
+    for token_id in tokenizer.encode('{"a": 1}', add_special_tokens=False):
+        assert copy.allowed_token_bitmask().equal(original.allowed_token_bitmask())
+        original.accept_token(token_id)
+        copy.accept_token(token_id)
+    assert copy.is_finished == original.is_finished
