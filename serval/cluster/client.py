@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from serval.cluster.config import ReplicaConfig
 from serval.cluster.wire import LoraSource, ReplicaBatch, ReplicaInfo, ReplicaReport, block_hashes
@@ -48,7 +48,6 @@ class _Call:
     task: asyncio.Task | None = None
     num_attempts: int = 0
     received: bool = False  # an event came back: a failure now can't be retried
-    replica_hint: list[str] = field(default_factory=list)
 
 
 class ReplicaClient:
@@ -119,7 +118,7 @@ class ReplicaClient:
         replica then aborts what still runs). NOTE: while siblings run (n > 1, one ended by a stop string),
         the replica keeps generating the closed one until the call ends: there is no per-request channel back
         to the replica, and the extra tokens are dropped here."""
-        call = self._calls.get(request_id)
+        call = self._calls.pop(request_id, None)
         if call is None:
             return
         call.open_ids.discard(request_id)
@@ -127,9 +126,14 @@ class ReplicaClient:
             call.task.cancel()
 
     def _forget(self, request_id: str) -> None:
-        call = self._calls.pop(request_id, None)
-        if call is not None:
-            call.streams.pop(request_id, None)
+        # RequestStream.close: its events have no reader any more. An unfinished one is aborted right after
+        # (abort needs its call then); a finished one is done with.
+        call = self._calls.get(request_id)
+        if call is None:
+            return
+        call.streams.pop(request_id, None)
+        if request_id not in call.open_ids:
+            del self._calls[request_id]
 
     def _batch(self, requests: list[NewRequest]) -> ReplicaBatch:
         lora = requests[0].lora_name
@@ -165,9 +169,11 @@ class ReplicaClient:
 
     def _deliver(self, call: _Call, events: list[Event]) -> None:
         for event in events:
+            stream = call.streams.get(event.request_id)
             if isinstance(event, RequestFailed) or (isinstance(event, RequestOutput) and event.finished):
                 call.open_ids.discard(event.request_id)
-            stream = call.streams.get(event.request_id)
+                if stream is None:  # its reader went away: nothing more will come for it
+                    self._calls.pop(event.request_id, None)
             if stream is not None:  # else its reader went away
                 stream.queue.put_nowait(event)
 
