@@ -187,7 +187,12 @@ class ReplicaClient:
         """Load on one replica, which checks the adapter (a LoraError comes back as on one server); the others
         load it before their first request that uses it."""
         check_can_add(self.loras, self.runner_info.max_loras, name)
-        card = await self._handle.load_lora.remote(name, path, base_model_name)
+        from ray.exceptions import RayTaskError
+
+        try:
+            card = await self._handle.load_lora.remote(name, path, base_model_name)
+        except RayTaskError as e:  # the replica's LoraError itself, without Ray's traceback in its message
+            raise e.cause if isinstance(e.cause, Exception) else e
         self.loras = {**self.loras, name: card}
         self._lora_sources = {**self._lora_sources, name: LoraSource(name, path, base_model_name)}
         return card
