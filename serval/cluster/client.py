@@ -236,7 +236,8 @@ class ReplicaClient:
             "ok" if len(reports) == self._config.num_replicas else "degraded" if reports else "unavailable"
         )
         replicas = [
-            {"id": r.replica_id, "pid": r.pid, "node_id": r.node_id, "num_running": r.stats.num_running,
+            {"id": r.replica_id, "pid": r.pid, "node_id": r.node_id, "num_threads": r.num_threads,
+             "num_running": r.stats.num_running,
              "num_waiting": r.stats.num_waiting, "num_prefix_cache_hits": r.stats.num_prefix_cache_hits,
              "num_prefix_cache_queries": r.stats.num_prefix_cache_queries}
             for r in reports

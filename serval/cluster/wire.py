@@ -56,6 +56,7 @@ class ReplicaReport:
     pid: int  # the replica's process, for operators (and the fault test, which kills it)
     node_id: str
     stats: EngineStats
+    num_threads: int  # torch's intra-op threads in the replica process, as measured there (--replica-threads)
 
 
 def block_hashes(

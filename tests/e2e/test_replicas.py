@@ -63,6 +63,8 @@ def replicas(tmp_path_factory, server):
             time.sleep(0.5)
         health = _wait_for_replicas(replica_server.base_url, 2, 60)
         pids.update(r["pid"] for r in health["replicas"])
+        # --replica-threads 1, as torch counts its threads inside each replica process.
+        assert [r["num_threads"] for r in health["replicas"]] == [1, 1], health
         replica_server.model = server.model
         replica_server.pids = pids  # every replica pid seen, killed at teardown if still alive
         yield replica_server
