@@ -223,8 +223,8 @@ class ReplicaClient:
     def stats(self) -> EngineStats:
         """Every live replica's counters summed (a counter of a replica Ray restarted starts again at 0)."""
         reports = self.reports()
-        if not reports:
-            return EngineStats(0, 0, 0, 1, 0, 0, 0, 0, 0)
+        if not reports:  # none heard from yet (or all down): nothing runs, no KV block in use
+            return EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0)
         sums = {
             f.name: sum(getattr(r.stats, f.name) for r in reports) for f in dataclasses.fields(EngineStats)
         }
