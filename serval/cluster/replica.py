@@ -42,12 +42,12 @@ class EngineReplica:
         )  # fmt: skip
 
     def report(self) -> ReplicaReport:
+        import torch
         from ray import get_runtime_context, serve
 
         replica_id = serve.get_replica_context().replica_id.unique_id
-        return ReplicaReport(
-            replica_id, os.getpid(), get_runtime_context().get_node_id(), self.client.stats()
-        )
+        node_id = get_runtime_context().get_node_id()
+        return ReplicaReport(replica_id, os.getpid(), node_id, self.client.stats(), torch.get_num_threads())
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose engine thread has gone is restarted."""
