@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import launch
-from tests.e2e.helpers import wait_until_idle
+from tests.e2e.helpers import metric, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +129,8 @@ def test_shared_prefix_lands_on_the_replica_that_caches_it(replicas):
     after = {r["id"]: r["num_prefix_cache_hits"] for r in _health(replicas.base_url)["replicas"]}
     gains = sorted(after[i] - before.get(i, 0) for i in after)
     assert gains[0] == 0 and gains[-1] >= sum(cached[1:]), (before, after)
+    # /metrics is the sum over the replicas (idle now, so both reads see the same reports).
+    assert metric(replicas.base_url, "serval_prefix_cache_hits_total") == sum(after.values())
 
 
 def test_bad_input_is_a_4xx_from_the_ingress(replicas):
