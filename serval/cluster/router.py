@@ -28,7 +28,9 @@ class PrefixRouter(RequestRouter):
         self._max_imbalance = max_imbalance
         self._capacity = capacity  # block heads remembered, least recently routed dropped first
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
-        self._num_routed = 0  # the round-robin cursor
+        # Round-robin cursors, requests sent so far: [True] for other calls (the report polls, which must
+        # visit every replica in turn whatever generate traffic runs between them), [False] for generate.
+        self._cursors = {True: 0, False: 0}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -41,8 +43,7 @@ class PrefixRouter(RequestRouter):
         batch = _batch_of(pending_request)
         if batch is None or self._policy == "round_robin":
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            first = ordered[self._num_routed % len(ordered)]
-            self._num_routed += 1
+            first = ordered[self._cursors[batch is None] % len(ordered)]
             return [[first], [r for r in by_load if r is not first]]
         owner = self._longest_match(batch.block_hashes, candidate_replicas)
         if owner is not None and self._load(owner) - self._load(by_load[0]) <= self._max_imbalance:
@@ -50,7 +51,10 @@ class PrefixRouter(RequestRouter):
         return [[r] for r in by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        # NOTE: a cursor moves here, once per request sent, not in choose_replicas: Ray Serve may ask that
+        # more than once for one request, and an even number of asks would send every poll to one replica.
         batch = _batch_of(pending_request)
+        self._cursors[batch is None] += 1
         if batch is None:
             return
         for block_hash in batch.block_hashes:

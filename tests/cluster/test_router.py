@@ -86,5 +86,23 @@ def test_round_robin_ignores_prompts():
     router, _ = _router(policy="round_robin")
     replicas = _replicas()
     router.on_request_routed(_request(HEAD), replicas[1].replica_id, None)
-    firsts = [_choose(router, replicas, _request(HEAD))[0][0] for _ in range(4)]
-    assert firsts == [replicas[0], replicas[1], replicas[0], replicas[1]]
+    firsts = []
+    for _ in range(4):
+        request = _request(HEAD)
+        assert _choose(router, replicas, request) == _choose(router, replicas, request)  # asked twice: same
+        firsts.append(_choose(router, replicas, request)[0][0])
+        router.on_request_routed(request, firsts[-1].replica_id, None)
+    assert firsts == [replicas[1], replicas[0], replicas[1], replicas[0]]  # the cursor moved once already
+
+
+def test_report_polls_visit_every_replica_whatever_runs_between_them():
+    router, _ = _router()
+    replicas = _replicas()
+    poll = SimpleNamespace(args=())  # the ingress's report call: no batch
+    seen = []
+    for i in range(4):
+        seen.append(_choose(router, replicas, poll)[0][0])
+        router.on_request_routed(poll, seen[-1].replica_id, None)
+        generate = _request([i] * 32)  # one generate call between polls must not lock them onto one replica
+        router.on_request_routed(generate, _choose(router, replicas, generate)[0][0].replica_id, None)
+    assert seen == [replicas[0], replicas[1], replicas[0], replicas[1]]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import launch
-from tests.e2e.helpers import metric, wait_until_idle
+from tests.e2e.helpers import metric
 
 pytestmark = pytest.mark.slow
 
@@ -133,6 +133,27 @@ def test_shared_prefix_lands_on_the_replica_that_caches_it(replicas):
     assert metric(replicas.base_url, "serval_prefix_cache_hits_total") == sum(after.values())
 
 
+def test_cache_control_pins_on_a_replica_and_the_next_turn_hits_them(replicas):
+    system = "You answer questions about a long book. " * 12
+
+    def ask(question: str) -> dict:
+        part = {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}
+        body = {"model": replicas.model, "max_tokens": 2, "temperature": 0.0,
+                "messages": [{"role": "system", "content": [part]}, {"role": "user", "content": question}]}  # fmt: skip
+        response = httpx.post(replicas.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]
+
+    first = ask("What is chapter one about?")
+    created = first["cache_creation_input_tokens"]
+    assert created >= 16 and created % 16 == 0
+    second = ask("And chapter two?")
+    # Routed to the replica holding the pin: a hit, and nothing pinned anew (elsewhere it would pin again).
+    assert second["cached_tokens"] >= created and second["cache_creation_input_tokens"] == 0
+    time.sleep(3)  # both replicas report again
+    assert metric(replicas.base_url, "serval_kv_cache_pinned_blocks") == created // 16
+
+
 def test_bad_input_is_a_4xx_from_the_ingress(replicas):
     cases = [
         ({"prompt": "hi", "max_tokens": -1}, 400),
@@ -147,14 +168,34 @@ def test_bad_input_is_a_4xx_from_the_ingress(replicas):
         assert set(response.json()["error"]) >= {"message", "type", "code"}
 
 
+def _wait_until_back_to(base_url: str, kv_usage: float, timeout: float = 30.0) -> None:
+    """Until nothing runs or waits and the KV cache holds no more than `kv_usage` (pins of earlier tests stay)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = metric(base_url, "serval_num_requests_running")
+        waiting = metric(base_url, "serval_num_requests_waiting")
+        usage = metric(base_url, "serval_kv_cache_usage_perc")
+        if running == waiting == 0 and usage <= kv_usage:
+            return
+        assert time.monotonic() < deadline, f"still busy: running={running} waiting={waiting} kv={usage}"
+        time.sleep(0.2)
+
+
 def test_disconnect_aborts_the_request_on_its_replica(replicas):
-    wait_until_idle(replicas.base_url, timeout=30)
+    _wait_until_back_to(replicas.base_url, 1.0)
+    time.sleep(3)  # both replicas report again
+    before = metric(replicas.base_url, "serval_kv_cache_usage_perc")
     body = {"model": replicas.model, "prompt": "Tell a long story.", "stream": True, "max_tokens": 2000,
             "ignore_eos": True, "n": 2}  # fmt: skip
     with httpx.stream("POST", replicas.base_url + "/v1/completions", json=body, timeout=60) as response:
         received = [line for _, line in zip(range(12), response.iter_lines())]
         assert any(line.startswith("data: ") for line in received)
-    wait_until_idle(replicas.base_url, timeout=30)  # the replica aborted both and freed every block
+        deadline = time.monotonic() + 10  # until a report of the replica running them arrives
+        while metric(replicas.base_url, "serval_kv_cache_usage_perc") <= before:
+            assert time.monotonic() < deadline, "no replica reported the running requests' blocks"
+            time.sleep(0.2)
+        assert metric(replicas.base_url, "serval_num_requests_running") == 2
+    _wait_until_back_to(replicas.base_url, before)  # the replica aborted both and freed their blocks
 
 
 def _stream_outcome(base_url: str, body: dict, outcomes: list) -> None:
