@@ -247,7 +247,8 @@ class ReplicaClient:
     def _poll_reports(self) -> None:
         while not self._stop_polling.wait(self._config.report_period_s):
             try:
-                report = self._handle.report.remote().result(timeout_s=max(2.0, self._config.report_period_s))
+                # A replica of one busy thread can take seconds to answer on an oversubscribed machine.
+                report = self._handle.report.remote().result(timeout_s=5.0)
             except Exception as e:  # noqa: BLE001 - a replica restarting, or none up yet: the next poll goes on
                 logger.debug("no replica report: %s", e)
                 continue

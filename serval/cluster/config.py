@@ -41,4 +41,4 @@ class ReplicaConfig:
     @property
     def report_stale_after_s(self) -> float:
         """A replica not heard from for this long counts as down (/health) and its counters leave /metrics."""
-        return max(5.0, 4 * self.num_replicas * self.report_period_s)
+        return max(10.0, 4 * self.num_replicas * self.report_period_s)
