@@ -1,12 +1,25 @@
-"""Small helpers for the real-server tests: raw SSE reading and metric scraping."""
+"""Small helpers for the real-server tests: raw SSE reading, metric scraping, and child processes that end
+with the test run."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+import signal
+import sys
 import time
 
 import httpx
+
+
+def die_with_parent() -> None:
+    """A subprocess.Popen preexec_fn: the child gets SIGKILL when the pytest process that started it dies, so a
+    run stopped hard (a timeout, a kill) leaves no server holding a port and gigabytes behind. Linux only; a
+    no-op elsewhere, where fixtures' own teardown is all there is."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def sse_chunks(base_url: str, path: str, body: dict, headers: dict | None = None) -> list[dict]:
