@@ -35,7 +35,10 @@ def test_server_summary_line_and_a_quiet_exit(tmp_path):
     stderr_path = tmp_path / "stderr.log"
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 (one prctl call)
         )
     server = Server(process, port, str(stderr_path))
     try:
