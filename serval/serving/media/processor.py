@@ -81,6 +81,7 @@ class MediaProcessor(Protocol):
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
     "Qwen2_5_VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
+    "Qwen2AudioForConditionalGeneration": ("serval.serving.media.qwen2_audio", "Qwen2AudioProcessor"),
 }
 
 
