@@ -169,7 +169,9 @@ def test_chunked_prefill_and_one_encoder_call_a_step(audio, cases, monkeypatch):
     engine = make_engine(audio[0], block_size=4, budget=40)
     calls = []
     encode = engine.runner.model.encode
-    monkeypatch.setattr(engine.runner.model, "encode", lambda items: calls.append(len(items)) or encode(items))
+    monkeypatch.setattr(
+        engine.runner.model, "encode", lambda items: calls.append(len(items)) or encode(items)
+    )
     assert greedy(engine, [one, two]) == whole
     assert sum(calls) == 3 and len(calls) < 3 + 1
 

@@ -65,7 +65,9 @@ class Qwen2AudioForConditionalGeneration(LlamaForCausalLM):
             if tuple(item.input_features.shape) != expected:
                 raise ValueError(f"a clip's features are {tuple(item.input_features.shape)}, not {expected}")
             if not 1 <= item.num_feature_frames <= audio.chunk_frames:
-                raise ValueError(f"a clip has {item.num_feature_frames} frames, not 1 to {audio.chunk_frames}")
+                raise ValueError(
+                    f"a clip has {item.num_feature_frames} frames, not 1 to {audio.chunk_frames}"
+                )
             if item.num_tokens != num_audio_tokens(item.num_feature_frames):
                 raise ValueError(
                     f"a clip of {item.num_feature_frames} frames has {item.num_tokens} rows, "

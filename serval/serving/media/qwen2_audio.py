@@ -82,7 +82,9 @@ def mel_filters(num_frequency_bins: int, num_mel_bins: int, sampling_rate: int) 
 
     def hz_to_mel(hz: np.ndarray) -> np.ndarray:  # linear below 1 kHz, logarithmic above
         log_step = math.log(6.4) / 27.0
-        return np.where(hz >= 1000.0, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / log_step, 3.0 * hz / 200.0)
+        return np.where(
+            hz >= 1000.0, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / log_step, 3.0 * hz / 200.0
+        )
 
     def mel_to_hz(mel: np.ndarray) -> np.ndarray:
         log_step = math.log(6.4) / 27.0
