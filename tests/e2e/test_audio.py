@@ -11,6 +11,7 @@ import base64
 import concurrent.futures
 import io
 
+import httpx
 import openai
 import pytest
 import torch
@@ -72,21 +73,26 @@ def answer_bytes(answer) -> list[bytes]:
     return [bytes(entry.bytes) for entry in answer.choices[0].logprobs.content]
 
 
-def oracle_answer(directory: str, reference, data: bytes, fmt: str) -> tuple[int, int, str, list[bytes]]:
-    """transformers' greedy answer to a clip and the question, as serval renders the prompt (the clip's run
-    first in the message): (prompt tokens, audio tokens, text, the tokens' bytes). The samples are serval's
-    decoding of the file; the features and the run's length are transformers' processor's."""
+def oracle_inputs(directory: str, data: bytes, fmt: str):
+    """transformers' Qwen2AudioProcessor's inputs for a clip and the question, as serval renders the prompt
+    (the clip's run first in the message). The samples are serval's decoding of the file; the features and
+    the run's length are transformers'."""
     from transformers import AutoProcessor
-
-    from serval.model_source import resolve_model
-    from serval.serving.tokenizer import Tokenizer as ServalTokenizer
 
     samples = decode_audio(io.BytesIO(data), fmt, MediaConfig(), "p").samples
     prompt = (
         f"<|im_start|>user\n<|audio_bos|><|AUDIO|><|audio_eos|>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     )
     processor = AutoProcessor.from_pretrained(directory)
-    inputs = processor(text=prompt, audio=[samples], sampling_rate=SAMPLE_RATE, return_tensors="pt")
+    return processor, processor(text=prompt, audio=[samples], sampling_rate=SAMPLE_RATE, return_tensors="pt")
+
+
+def oracle_answer(directory: str, reference, data: bytes, fmt: str) -> tuple[int, int, str, list[bytes]]:
+    """transformers' greedy answer (oracle_inputs): (prompt tokens, audio tokens, text, the tokens' bytes)."""
+    from serval.model_source import resolve_model
+    from serval.serving.tokenizer import Tokenizer as ServalTokenizer
+
+    processor, inputs = oracle_inputs(directory, data, fmt)
     ids = inputs["input_ids"][0].tolist()
     with torch.no_grad():
         out = reference.generate(
@@ -119,6 +125,17 @@ def test_a_clip_is_counted_and_answered_as_transformers_answers(audio_server, fm
     if fmt == "wav":  # asked again: the same answer, the clip's blocks from the prefix cache
         again = ask(client, part)
         assert answer_bytes(again) == tokens and again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_tokenize_counts_the_clip_s_run_as_transformers_processor_writes_it(audio_server):
+    client, directory, _ = audio_server
+    data = encode_audio(clip(0.9, seed=10), "wav")
+    content = [input_audio(data), {"type": "text", "text": QUESTION}]
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    tokens = httpx.post(f"{base_url}/tokenize", json=body, timeout=60).json()
+    assert tokens["tokens"] == oracle_inputs(directory, data, "wav")[1]["input_ids"][0].tolist()
+    assert tokens["count"] == ask(client, input_audio(data)).usage.prompt_tokens
 
 
 def test_audio_and_text_requests_together_answer_as_each_alone(audio_server):
