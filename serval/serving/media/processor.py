@@ -7,7 +7,7 @@ anything is fetched (parts.check_accepted).
 
 With a processor, a chat request goes: parts parsed (api/media_parts.py) -> loaded (loader.py: fetched,
 decoded, resized, hashed, counted; off the event loop) -> the template rendered with each user message's
-media placed before its text (client_text.Segment.num_media) -> each item's run of placeholder ids spliced
+media placed where its content list puts them (client_text.Segment.num_media) -> each item's run of placeholder ids spliced
 into the prompt ids (`place_media`), which gives its MediaSpan. The GenerationRequest carries the spans:
 the model task hands them to the engine so that (1) the runner's encoder runs once per item and its
 embeddings replace the run's rows, and (2) the prefix cache folds each span's content hash into the hash of
