@@ -174,3 +174,41 @@ def test_bad_audio_parts_are_400s_naming_the_part(audio_server, part, code):
     body = error.value.body
     assert body["param"].startswith("messages[0].content[0]") and body["code"] == code
     assert body["type"] == "invalid_request_error" and body["message"]
+
+
+def test_the_offline_llm_answers_audio_as_the_server_does(audio_server):
+    # vLLM's two shapes: chat with an input_audio part, and a raw prompt with multi_modal_data's
+    # (samples, rate) expanding the template's one-placeholder run.
+    from serval import LLM, SamplingParams
+    from serval.serving.errors import InvalidRequestError
+
+    client, directory, _ = audio_server
+    data = encode_audio(clip(1.3, seed=12), "wav")
+    served = ask(client, input_audio(data))
+    llm = LLM(model=directory, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    content = [input_audio(data), {"type": "text", "text": QUESTION}]
+    chat = llm.chat([{"role": "user", "content": content}], params)[0]
+    assert chat.outputs[0].text == served.choices[0].message.content
+    assert (chat.usage.num_prompt_tokens, chat.usage.num_audio_tokens) == (
+        served.usage.prompt_tokens, served.usage.prompt_tokens_details.audio_tokens,
+    )  # fmt: skip
+    samples = decode_audio(io.BytesIO(data), "wav", MediaConfig(), "p").samples
+    prompt = (
+        f"<|im_start|>user\n<|audio_bos|><|AUDIO|><|audio_eos|>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    raw = llm.generate({"prompt": prompt, "multi_modal_data": {"audio": (samples, SAMPLE_RATE)}}, params)[0]
+    assert (
+        raw.prompt_token_ids == chat.prompt_token_ids
+        and raw.outputs[0].token_ids == chat.outputs[0].token_ids
+    )
+    # The same clip at 8 kHz is resampled as an upload of it is.
+    slow = (samples[::2].copy(), SAMPLE_RATE // 2)
+    assert (
+        llm.generate({"prompt": prompt, "multi_modal_data": {"audio": slow}}, params)[0].outputs[0].token_ids
+    )
+    with pytest.raises(InvalidRequestError, match="1 audio placeholders for 2"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"audio": [(samples, SAMPLE_RATE)] * 2}}, params)
+    with pytest.raises(InvalidRequestError, match="does not accept image"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": object()}}, params)
+    assert not llm.engine.has_unfinished_requests()

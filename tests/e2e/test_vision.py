@@ -227,3 +227,32 @@ def test_images_sit_between_the_texts_as_transformers_processor_puts_them(vl_ser
     theirs = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     assert ours["tokens"] == theirs.tolist()
     assert ours["tokens"].count(IMAGE_PAD) == 20 + 6  # 140 x 112 and 56 x 84 pixels
+
+
+def test_the_offline_llm_answers_images_as_the_server_does(vl_server):
+    # vLLM's two shapes: chat with an image_url part, and a raw prompt with multi_modal_data's PIL images.
+    from PIL import Image
+
+    from serval import LLM, SamplingParams
+
+    client, directory, _ = vl_server
+    first, second = png_bytes(150, 100, seed=13), png_bytes(60, 90, seed=14)
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url("image/png", png)}} for png in (first, second)
+    ]
+    served = ask(client, *parts)
+    llm = LLM(model=directory, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat = llm.chat([{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}], params)[0]
+    assert chat.outputs[0].text == served.choices[0].message.content
+    assert (chat.usage.num_prompt_tokens, chat.usage.num_image_tokens) == (
+        served.usage.prompt_tokens, served.usage.prompt_tokens_details.image_tokens,
+    )  # fmt: skip
+    run = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompt = f"<|im_start|>user\n{run}{run}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    images = [Image.open(io.BytesIO(png)) for png in (first, second)]
+    raw = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, params)[0]
+    assert (
+        raw.prompt_token_ids == chat.prompt_token_ids
+        and raw.outputs[0].token_ids == chat.outputs[0].token_ids
+    )

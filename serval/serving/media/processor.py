@@ -71,6 +71,11 @@ class MediaProcessor(Protocol):
         """The token ids of the item's run, `item.num_tokens` long (the encoder's rows replace them)."""
         ...
 
+    def prompt_placeholder(self, kind: MediaKind) -> list[int]:
+        """The ids the model's chat template writes for one item of `kind` (its run with one placeholder):
+        what a raw prompt holds where an item goes (the offline LLM's multi_modal_data)."""
+        ...
+
     def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput | None:
         """The encoder's input of a decoded item (pixel patches, ...), its offset counted from the start of
         the item's run; called in the loader's decoding threads."""

@@ -134,6 +134,9 @@ class Qwen2AudioProcessor:
     def placeholder_ids(self, item: MediaItem) -> list[int]:
         return [self.audio_bos_id, *[self.audio_token_id] * (item.num_tokens - 2), self.audio_eos_id]
 
+    def prompt_placeholder(self, kind: MediaKind) -> list[int]:
+        return [self.audio_bos_id, self.audio_token_id, self.audio_eos_id]
+
     def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput:
         """The clip's encoder input; its offset is within the clip's run (the rows after audio_bos)."""
         assert isinstance(decoded, DecodedAudio)
