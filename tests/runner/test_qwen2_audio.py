@@ -1,7 +1,8 @@
 """Qwen2-Audio against transformers on a tiny random-weight checkpoint that transformers wrote: logits within
 1e-3 in fp32 and equal greedy tokens for one clip, two clips, and a clip among text turns; an audio request
-batched with a text one answers as each alone; the encoder runs once a step over every request's clips; the
-prefix cache hits for the same clip and not for another of the same length; bad items are refused.
+batched with a text one answers as each alone; chunked prefill over a clip's rows, with the encoder run once
+a step over every request's clips; the prefix cache hits for the same clip and not for another of the same
+length; bf16 near fp32; bad items are refused.
 
 Clips are real WAV/FLAC/MP3 files (a tone with noise, written by PyAV) decoded by serving's decoder and turned
 into features by its processor (serving/media/qwen2_audio.py); the oracle gets the same features (its own
@@ -124,7 +125,8 @@ def logits_engine(audio):
 @pytest.fixture(scope="module")
 def cases(audio):
     processor = audio[2]
-    first = audio_item(processor, 1.3, seed=1)  # 130 frames: 32 rows
+    # The encoder reads only the frames a clip's rows depend on: an odd count, an even one, a whole chunk.
+    first = audio_item(processor, 1.31, seed=1)  # 131 frames: 33 rows
     second = audio_item(processor, 0.7, seed=2, fmt="flac")  # 70 frames: 17 rows
     third = audio_item(processor, 2.6, seed=3, fmt="mp3")  # past the 2 s chunk: cut to it, 50 rows
     return {
@@ -191,6 +193,16 @@ def test_the_same_clip_hits_the_prefix_cache_and_another_does_not(audio):
     different = greedy(engine, [other])
     assert engine.block_manager.num_hit_tokens - hits == 16  # only the text block before the clip
     assert different == greedy(make_engine(audio[0]), [other]) != first
+
+
+def test_bf16_follows_fp32(audio, cases):
+    ids, items = cases["two clips"]
+    fp32 = serval_logits(make_engine(audio[0]), ids, items)
+    bf16 = Engine(
+        EngineConfig(model=ModelConfig(model=audio[0], dtype="bfloat16"), cache=CacheConfig(num_blocks=16))
+    )
+    difference = (serval_logits(bf16, ids, items) - fp32).abs().max().item()
+    assert difference < 0.05 * fp32.abs().max().item()
 
 
 @pytest.mark.parametrize(

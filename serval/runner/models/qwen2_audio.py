@@ -20,7 +20,12 @@ import torch
 
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.llama import LlamaForCausalLM
-from serval.runner.models.qwen2_audio_encoder import AudioEncoder, AudioProjector, num_audio_tokens
+from serval.runner.models.qwen2_audio_encoder import (
+    AudioEncoder,
+    AudioProjector,
+    num_audio_tokens,
+    num_input_frames,
+)
 
 if TYPE_CHECKING:
     from serval.runner.attention import AttentionMetadata
@@ -92,9 +97,12 @@ class Qwen2AudioForConditionalGeneration(LlamaForCausalLM):
     def encode(self, items: Sequence[MediaInput]) -> torch.Tensor:
         """Every clip's rows in one batched call: (sum of num_tokens, hidden_size) in the compute dtype."""
         device = self.embed_tokens.weight.device
-        features = torch.stack([item.input_features for item in items]).to(device)
         num_frames = torch.tensor([item.num_feature_frames for item in items])
-        rows = self.audio_tower(features, num_frames)  # (num_clips, chunk_frames // 4, d_model)
+        # Only the frames the longest clip's rows depend on (qwen2_audio_encoder.py): the rest of each chunk
+        # is padding every clip masks.
+        num_read = num_input_frames(int(num_frames.max()), self.arch.audio.chunk_frames)
+        features = torch.stack([item.input_features[:, :num_read] for item in items]).to(device)
+        rows = self.audio_tower(features, num_frames)  # (num_clips, num_read // 4, d_model)
         kept = torch.cat([clip[: item.num_tokens] for clip, item in zip(rows, items)])
         return self.multi_modal_projector(kept)
 

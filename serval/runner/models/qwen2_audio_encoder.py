@@ -7,7 +7,10 @@ projector to the decoder's width (AudioProjector).
 
 Every clip arrives padded to one whole chunk (serving/media/qwen2_audio.py: 30 s in the released models), as
 transformers feeds it, and attention ignores the padding's rows as keys, so a clip's rows do not depend on
-what else is in the call; several clips are one batched call.
+what else is in the call; several clips are one batched call. Only the chunk's first frames are read
+(`num_input_frames`): a clip's rows depend on its frames and the two padding frames after them (the convs'
+reach), and every later row is a masked key, so a 2 s clip costs 2 s of encoder, not 30, and gives the
+rows the whole chunk gives.
 """
 
 from __future__ import annotations
@@ -82,12 +85,13 @@ class AudioEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(audio.d_model)
 
     def forward(self, features: torch.Tensor, num_frames: torch.Tensor) -> torch.Tensor:
-        """features: (num_clips, num_mel_bins, chunk_frames); num_frames: (num_clips,) int64, the frames of
-        each that are its clip. -> (num_clips, chunk_frames // 4, d_model): each clip's first
-        `num_audio_tokens(num_frames)` rows are its own, the rest come from padding."""
+        """features: (num_clips, num_mel_bins, frames), the first frames of whole chunks (at least
+        num_input_frames(num_frames.max())); num_frames: (num_clips,) int64, the frames of each that are its
+        clip. -> (num_clips, frames // 4, d_model): each clip's first `num_audio_tokens(num_frames)` rows
+        are its own (those the whole chunk gives), the rest come from padding."""
         x = F.gelu(self.conv1(features.to(self.conv1.weight.dtype)))
-        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (num_clips, max_source_positions, d_model)
-        x = x + self.embed_positions.weight
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (num_clips, num_input_frames / 2, d_model)
+        x = x + self.embed_positions.weight[: x.shape[1]]
         num_rows = (num_frames - 1) // 2 + 1  # after conv2
         key_mask = torch.arange(x.shape[1], device=x.device)[None] < num_rows.to(x.device)[:, None]
         key_mask = key_mask[:, None, None, :]  # (num_clips, 1, 1, max_source_positions): padding is no key
@@ -95,6 +99,12 @@ class AudioEncoder(nn.Module):
             x = layer(x, key_mask)
         x = F.avg_pool1d(x.transpose(1, 2), kernel_size=2, stride=2).transpose(1, 2)
         return self.layer_norm(x)
+
+
+def num_input_frames(num_frames: int, chunk_frames: int) -> int:
+    """The chunk's frames the encoder must read for a clip of num_frames to get its rows: the clip's, and
+    the two after it that conv1 and conv2 reach into, rounded up to an even count (conv2's stride)."""
+    return min(chunk_frames, num_frames + 2 + num_frames % 2)
 
 
 def num_audio_tokens(num_frames: int) -> int:
