@@ -12,6 +12,7 @@ reason, usage and refusal message here as through the HTTP API.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -94,6 +95,7 @@ class LLM:
         self.media_processor = None if source.is_gguf else media_processor_for(source.path)
         self.media_config = MediaConfig()
         self._frontend = None  # serving's Frontend, for chat (built on first use)
+        self.model_name = os.path.basename(os.path.normpath(source.path))  # as refusals name it
         # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
         # sequence limit): the context alone bounds a prompt and its answer.
         self.rules = PromptRules(self.engine.max_model_len)
@@ -150,7 +152,7 @@ class LLM:
         requests = []
         for conversation, params in zip(conversations, params_list):
             ids, plan, spans = chat_prompt(
-                self._frontend, conversation, add_generation_prompt, chat_template_kwargs
+                self._frontend, self.model_name, conversation, add_generation_prompt, chat_template_kwargs
             )
             requests.append(self._request([ids], params, "messages", output_plan=plan, media_spans=spans))
         return self._generate(requests, [None] * len(requests), use_tqdm)

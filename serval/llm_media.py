@@ -130,7 +130,9 @@ def offline_frontend(max_model_len: int, tokenizer, media_processor: MediaProces
     return Frontend(_EngineInfo(max_model_len), tokenizer, media_processor=media_processor)
 
 
-def chat_prompt(frontend, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs):
+def chat_prompt(
+    frontend, model: str, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs
+):
     """One conversation's prompt ids, output plan and media spans, as the HTTP chat route makes them."""
     from serval.api import requests as req
     from serval.api.media_parts import chat_media_parts
@@ -140,7 +142,7 @@ def chat_prompt(frontend, messages: list[dict[str, Any]], add_generation_prompt:
     parsed = [ChatMessage.model_validate(message) for message in messages]
     template_messages, continue_final = req.template_messages(parsed, None)
     media = chat_media_parts(parsed, frontend.media.config)
-    frontend.check_media(media, "the model")
+    frontend.check_media(media, model)
     prompt = ChatPrompt(
         template_messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
         template_kwargs=template_kwargs, media=media,
