@@ -67,9 +67,11 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
             messages, continue_final = req.template_messages(
                 body.messages, body.continue_final_message, ctx.roles
             )
-            frontend.check_media(chat_media_parts(body.messages, frontend.media.config), model)
+            media = chat_media_parts(body.messages, frontend.media.config)
+            frontend.check_media(media, model)
             tokens = await frontend.tokenize_chat(
                 messages,
+                media,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 continue_final_message=continue_final,
                 template_kwargs=body.chat_template_kwargs,

@@ -30,7 +30,7 @@ from serval.api.openai import (
     SamplingFields,
 )
 from serval.sampling import MAX_LOGIT_BIAS, SamplingParams
-from serval.serving.client_text import MEDIA_COUNT_KEY, CacheSpan
+from serval.serving.client_text import MEDIA_OFFSETS_KEY, CacheSpan
 from serval.serving.template_roles import STANDARD_ROLES
 
 # A logit_bias key: a token id in decimal, one spelling per id (no sign, no leading zeros), at most ten digits
@@ -44,34 +44,40 @@ MAX_ARGUMENTS_DEPTH = 128
 # ---- messages
 
 
-def _content_text(message: ChatMessage, where: str) -> tuple[str | None, int]:
-    """The message's text, and how many media parts it has (api/media_parts.py parses those)."""
+def _content_text(message: ChatMessage, where: str) -> tuple[str | None, tuple[int, ...]]:
+    """The message's text, and where each of its media parts sits in it (characters from its start; the
+    parts themselves are parsed by api/media_parts.py)."""
     content = message.content
     if content is None or isinstance(content, str):
-        return content, 0
+        return content, ()
     if not isinstance(content, list):
         raise invalid(f"{where}.content must be a string or a list of content parts", f"{where}.content")
     if not content:
         raise invalid(f"{where}.content must not be an empty list", f"{where}.content")
-    texts = []
-    num_media = 0
+    text = ""
+    media_offsets: list[int] = []
+    follows_text = False
     for j, part in enumerate(content):
         part_where = f"{where}.content[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(f"{part_where} must be an object with a string type", part_where)
         if is_media_part(part):
-            num_media += 1
+            media_offsets.append(len(text))
+            follows_text = False
             continue
         if part["type"] != "text":
             raise invalid(
                 f"{part_where}.type {part['type']!r} is not a known content part type", f"{part_where}.type"
             )
-        text = part.get("text")
-        if not isinstance(text, str) or not text:
+        part_text = part.get("text")
+        if not isinstance(part_text, str) or not part_text:
             raise invalid(f"{part_where}.text must be a non-empty string", f"{part_where}.text")
-        texts.append(text)
-    # NOTE: text parts join with newlines, vLLM's rendering of list content for string-only templates.
-    return "\n".join(texts), num_media
+        # NOTE: adjacent text parts join with a newline, vLLM's rendering of list content for string-only
+        # templates; a media part sits between the texts around it with nothing added, as Qwen's templates
+        # write a list's items one after another.
+        text += ("\n" if follows_text else "") + part_text
+        follows_text = True
+    return text, tuple(media_offsets)
 
 
 def cache_spans(messages: list[ChatMessage]) -> tuple[CacheSpan, ...]:
@@ -85,17 +91,18 @@ def cache_spans(messages: list[ChatMessage]) -> tuple[CacheSpan, ...]:
         if not isinstance(message.content, list):
             continue
         end = 0
-        has_text = False
+        follows_text = False
         for j, part in enumerate(message.content):
             if not isinstance(part, dict):
                 continue  # _content_text names it
-            # Text parts are joined with newlines (_content_text): one starts after the text before it. A
-            # media part has no text: it sits before the message's text, so its span is the empty one at 0.
-            start = span_end = 0
+            # The text _content_text makes: adjacent text parts joined with a newline, a media part an empty
+            # span where it sits.
+            start = span_end = end
+            follows_text = follows_text and part.get("type") == "text"
             if part.get("type") == "text":
-                start = end + (1 if has_text else 0)
+                start = end + (1 if follows_text else 0)
                 end = span_end = start + len(part.get("text") or "")
-                has_text = True
+                follows_text = True
             if "cache_control" not in part:
                 continue
             control = part["cache_control"]
@@ -164,7 +171,7 @@ def template_messages(
                 f"(one of {', '.join(sorted(roles))})",
                 f"{where}.role",
             )
-        text, num_media = _content_text(message, where)
+        text, media_offsets = _content_text(message, where)
         num_chars += len(text or "")
         if num_chars > MAX_MESSAGES_CHARS:
             raise invalid(
@@ -176,15 +183,15 @@ def template_messages(
             text = text or ""
         elif text is None:
             raise invalid(f"{where}.content is required for role {message.role!r}", f"{where}.content")
-        elif not text and not num_media:
+        elif not text and not media_offsets:
             raise invalid(f"{where}.content must not be empty", f"{where}.content")
         if message.role == "tool" and not message.tool_call_id:
             raise invalid(f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
         if has_tool_calls and message.role != "assistant":
             raise invalid(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
         item: dict[str, Any] = {"role": message.role, "content": text}
-        if num_media:
-            item[MEDIA_COUNT_KEY] = num_media  # the template's ClientTexts puts them before the text
+        if media_offsets:
+            item[MEDIA_OFFSETS_KEY] = media_offsets  # the template's ClientTexts places them in the text
         for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(message, key)
             if value is not None:
