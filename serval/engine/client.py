@@ -124,7 +124,9 @@ class EngineClient:
         self._thread.start()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> EngineClient:
+    def start(cls, config: EngineConfig, on_runner_failure=None) -> EngineClient:
+        """on_runner_failure(message): called on another thread if the runner can no longer run a step (a
+        tensor-parallel worker died); the server stops itself with it."""
         # NOTE: the engine is built on a helper thread, not the caller's (the main one). Once the main thread
         # has run an OpenMP parallel region (loading the weights runs many), every region another thread
         # starts costs ~50 us more (libgomp; measured: an elementwise op 27 -> 75 us, a 137-token prefill
@@ -143,6 +145,8 @@ class EngineClient:
         builder.join()
         if "error" in built:
             raise built["error"]
+        if on_runner_failure is not None:
+            built["engine"].runner.watch(on_runner_failure)
         return cls(built["engine"])
 
     # ---- event-loop side
@@ -261,6 +265,8 @@ class EngineClient:
                 self._stopped = True
                 self._commands.put(Stop())
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the runner is the engine thread's until it has ended
+            self._engine.runner.close()
 
     # ---- engine-thread side
 
