@@ -52,6 +52,10 @@ class TensorParallelRunner(ModelRunner):
         parallel_config: ParallelConfig,
     ):
         world_size = parallel_config.tensor_parallel_size
+        if lora_config is not None and lora_config.is_enabled:  # before any process starts
+            raise ValueError(
+                "LoRA adapters are not supported with tensor parallelism (--tensor-parallel-size)"
+            )
         self.failure: str | None = None
         self._on_failure = None
         self._groups: dict[str, object] = {}
