@@ -106,6 +106,8 @@ class EngineClient:
         self._max_queue_len = engine.config.scheduler.max_queue_len
         # Reads adapter files and the model's fixed shapes, never a slot: safe on a worker thread.
         self._read_lora = engine.runner.read_lora
+        # Stops a tensor-parallel runner's workers; called once the engine thread has ended.
+        self._close_runner = engine.runner.close
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         # Guards _streams, _stopped, _num_pending and _stats. Held while a command is queued, so none can
@@ -266,7 +268,7 @@ class EngineClient:
                 self._commands.put(Stop())
         self._thread.join(timeout=10)
         if not self._thread.is_alive():  # the runner is the engine thread's until it has ended
-            self._engine.runner.close()
+            self._close_runner()
 
     # ---- engine-thread side
 

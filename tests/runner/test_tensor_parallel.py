@@ -219,3 +219,44 @@ def test_lora_is_refused_before_any_process_starts():
         make_runner(
             ModelConfig(), CacheConfig(), resolve_model(None), LoraConfig(enable_lora=True), ParallelConfig(2)
         )
+
+
+@pytest.mark.slow
+def test_beam_search_over_two_processes_equals_the_whole_model(tiny_model_factory):
+    # Beams fork sequences by copying KV blocks: the copies travel with the batch and every rank makes them.
+    from serval.config import EngineConfig, ParallelConfig
+    from serval.engine.engine import Engine
+
+    directory, _ = tiny_model_factory("llama")
+    params = SamplingParams(n=2, best_of=3, temperature=0.0, max_tokens=10, use_beam_search=True)
+    prompt = [7, 99, 250, 13, 13, 13, 5, 42, 17, 300, 12, 11, 10, 9, 8, 7, 6, 5, 4]
+    results = []
+    for size in (1, 2):
+        config = EngineConfig(
+            model=ModelConfig(model=directory, dtype="float32"),
+            cache=CacheConfig(num_blocks=64),
+            parallel=ParallelConfig(tensor_parallel_size=size),
+        )
+        engine = Engine(config)
+        try:
+            engine.add_request("beam", prompt, params)
+            outputs = []
+            while engine.has_unfinished_requests():
+                outputs.extend(engine.step())
+        finally:
+            engine.runner.close()
+        results.append(outputs[-1].beams)
+    whole, split = results
+    assert [b.token_ids for b in split] == [b.token_ids for b in whole]
+    assert [b.score for b in split] == pytest.approx([b.score for b in whole], abs=1e-4)
+
+
+def test_a_multimodal_model_is_refused(tiny_vl_factory):
+    directory, _ = tiny_vl_factory()
+    with pytest.raises(ValueError, match="multimodal model.*not supported with tensor parallelism"):
+        ModelRunner(
+            ModelConfig(model=directory, dtype="float32"),
+            CacheConfig(num_blocks=8),
+            resolve_model(directory),
+            tensor_parallel=TensorParallelPart(0, 2, lambda t: None),
+        )
