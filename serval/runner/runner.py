@@ -116,7 +116,7 @@ class ModelRunner:
         self.full_arch = checkpoint.arch
         self.tensor_parallel_size = 1
         if tensor_parallel is not None:
-            self._check_can_split(checkpoint.arch, lora_config)
+            self.check_can_split(checkpoint.arch, lora_config)
             shard = plan_shard(checkpoint.arch, tensor_parallel.rank, tensor_parallel.world_size)
             checkpoint = sharded_checkpoint(checkpoint, shard)
             self.tensor_parallel_size = tensor_parallel.world_size
@@ -189,7 +189,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _check_can_split(arch, lora_config: LoraConfig | None) -> None:
+    def check_can_split(arch, lora_config: LoraConfig | None) -> None:
         """Refuse, at start-up, what tensor parallelism does not run (docs/deploy/tensor-parallel.md)."""
         if lora_config is not None and lora_config.is_enabled:
             raise ValueError(

@@ -211,13 +211,29 @@ def test_split_over_two_processes_equals_the_whole_tiny_model(architecture, tiny
     _compare_with_whole(directory, ["hello world", "the quick brown fox"], 12)
 
 
-def test_lora_is_refused_before_any_process_starts():
+@pytest.mark.parametrize(
+    "lora, size, message",
+    [
+        (True, 2, "LoRA adapters are not supported with tensor parallelism"),
+        (False, 4, "has 3 KV heads"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_before_any_process_starts(lora, size, message, monkeypatch):
     from serval.config import LoraConfig, ParallelConfig
+    from serval.runner.parallel import runner as parallel_runner
     from serval.runner.parallel.runner import make_runner
 
-    with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor parallelism"):
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(parallel_runner.mp, "get_context", no_spawn)
+    with pytest.raises(ValueError, match=message):
         make_runner(
-            ModelConfig(), CacheConfig(), resolve_model(None), LoraConfig(enable_lora=True), ParallelConfig(2)
+            ModelConfig(),
+            CacheConfig(),
+            resolve_model(None),
+            LoraConfig(enable_lora=lora),
+            ParallelConfig(size),
         )
 
 

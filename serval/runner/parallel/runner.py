@@ -28,8 +28,9 @@ import torch.multiprocessing as mp
 from serval.config import CacheConfig, LoraConfig, ModelConfig, ParallelConfig
 from serval.model_source import ModelSource
 from serval.runner.batch import Batch
+from serval.runner.loader.load import open_checkpoint
 from serval.runner.parallel.group import HOST, all_reduce, compute_group, gloo_group, send_batch, send_stop
-from serval.runner.parallel.shard import TensorParallelPart
+from serval.runner.parallel.shard import TensorParallelPart, plan_shard
 from serval.runner.parallel.worker import WorkerArgs, worker_main
 from serval.runner.runner import ModelRunner, resolve_device
 
@@ -52,10 +53,11 @@ class TensorParallelRunner(ModelRunner):
         parallel_config: ParallelConfig,
     ):
         world_size = parallel_config.tensor_parallel_size
-        if lora_config is not None and lora_config.is_enabled:  # before any process starts
-            raise ValueError(
-                "LoRA adapters are not supported with tensor parallelism (--tensor-parallel-size)"
-            )
+        # What cannot be split is refused before any process starts (reading the checkpoint's shape is cheap:
+        # loader/gguf_file.py reads a GGUF's directory without its tensors).
+        arch = open_checkpoint(source).arch
+        ModelRunner.check_can_split(arch, lora_config)
+        plan_shard(arch, 0, world_size)
         self.failure: str | None = None
         self._on_failure = None
         self._groups: dict[str, object] = {}
