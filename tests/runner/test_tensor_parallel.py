@@ -201,7 +201,7 @@ def _compare_with_whole(model: str | None, prompts, max_tokens: int) -> None:
 
 @pytest.mark.slow
 def test_split_over_two_processes_equals_the_whole_default_model():
-    _compare_with_whole(None, PROMPTS[:4], 16)
+    _compare_with_whole(None, PROMPTS[:2], 12)
 
 
 @pytest.mark.slow
