@@ -276,3 +276,40 @@ def test_a_multimodal_model_is_refused(tiny_vl_factory):
             resolve_model(directory),
             tensor_parallel=TensorParallelPart(0, 2, lambda t: None),
         )
+
+
+@pytest.mark.slow
+def test_a_hung_worker_fails_the_step_at_the_collective_timeout(tiny_model_factory):
+    # SIGSTOP: the worker lives but never answers. (A dead one is seen at once: tests/e2e/.)
+    import os
+    import signal
+    import time
+
+    from serval.config import EngineConfig, ParallelConfig
+    from serval.engine.engine import Engine
+    from serval.runner.parallel.runner import TensorParallelError
+
+    directory, _ = tiny_model_factory("llama")
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32"),
+        cache=CacheConfig(num_blocks=32),
+        parallel=ParallelConfig(tensor_parallel_size=2, collective_timeout_s=3),
+    )
+    engine = Engine(config)
+    failures: list[str] = []
+    engine.runner.watch(failures.append)
+    ((_, worker),) = engine.runner._workers
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4))
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="collective failed"):
+            engine.step()
+        assert 2.5 < time.monotonic() - started < 30
+        assert len(failures) == 1
+        with pytest.raises(TensorParallelError):  # refused at once from now on
+            engine.step()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        engine.runner.close()
+    assert not worker.is_alive()
