@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,10 @@ from serval.cli_options import (
     add_grammar_options,
     add_lora_options,
     add_media_options,
+    add_parallel_options,
     byte_size,
 )
-from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import (
     ServerConfig,
@@ -101,6 +103,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
     add_grammar_options(p)
+    add_parallel_options(p)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add_cors_options(p)
     add_lora_options(p)
@@ -160,7 +163,8 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
                           "max_lora_rank": "max_lora_rank"}),
         lora_modules=tuple(options.get("lora_modules") or ()),
     )  # fmt: skip
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora)
+    parallel = ParallelConfig(**_pick(options, {"tensor_parallel_size": "tensor_parallel_size"}))
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora, parallel=parallel)
 
 
 def server_config(options: dict[str, Any], default_model_name: str) -> ServerConfig:
@@ -217,8 +221,9 @@ def max_seqs_per_request(options: dict[str, Any]) -> int:
     return cap
 
 
-def start_engine(engine: EngineConfig, source: ModelSource):
-    """The tokenizer and the running engine of `source`; exits with one line when the model can't load."""
+def start_engine(engine: EngineConfig, source: ModelSource, on_runner_failure=None):
+    """The tokenizer and the running engine of `source`; exits with one line when the model can't load.
+    on_runner_failure(message): called on another thread if the runner dies under the server."""
     # Heavy imports here: `serval --help` and config errors stay fast.
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
@@ -229,7 +234,7 @@ def start_engine(engine: EngineConfig, source: ModelSource):
         tokenizer = Tokenizer.from_source(source)
         # A multimodal checkpoint's processor (its preprocessor_config.json); None for a text-only model.
         media_processor = None if source.is_gguf else media_processor_for(source.path)
-        return tokenizer, EngineClient.start(engine), media_processor
+        return tokenizer, EngineClient.start(engine, on_runner_failure), media_processor
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
@@ -273,7 +278,15 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
     from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.lifetime import freeze_long_lived_objects
 
-    tokenizer, client, media_processor = start_engine(engine, source)
+    failures: list[str] = []
+
+    def runner_failed(message: str) -> None:
+        # A tensor-parallel worker died (the runner logged it): stop as on SIGTERM (requests in flight have
+        # failed already, new ones get 503), then exit non-zero below.
+        failures.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tokenizer, client, media_processor = start_engine(engine, source, runner_failed)
     try:
         frontend, app = build_frontend_app(server, tokenizer, client, media_processor)
         freeze_long_lived_objects()
@@ -294,6 +307,8 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource) -> No
             sys.exit(STARTUP_FAILURE)  # the port is taken, ...: uvicorn logged why
     finally:
         client.shutdown()
+    if failures:
+        sys.exit(f"serval: error: {failures[0]}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

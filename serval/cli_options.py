@@ -126,3 +126,14 @@ def add_grammar_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grammar-compile-workers", type=int, help="processes compiling new grammars at once (default 2)"
     )
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        metavar="N",
+        help="split the model over N processes, each holding 1/N of the attention heads and of the MLP "
+        "(default 1; docs/deploy/tensor-parallel.md)",
+    )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serval.engine.engine import Engine
 from serval.engine.outputs import TokenLogprob
 from serval.lifetime import freeze_long_lived_objects
@@ -68,7 +68,10 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         batch_activations: str = "float32",
+        tensor_parallel_size: int = 1,
     ):
+        """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
+        close() stops them (else they stop when this process exits)."""
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -87,6 +90,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
@@ -101,6 +105,10 @@ class LLM:
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot run after this)."""
+        self.engine.runner.close()
 
     def generate(
         self,
