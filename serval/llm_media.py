@@ -6,7 +6,7 @@ WAV) and decoded by the server's own decoders (so it is resized and resampled ex
 is), prepared by the model's MediaProcessor, and its run of placeholder ids replaces the i-th one-token
 placeholder of its kind in the prompt (`<|vision_start|><|image_pad|><|vision_end|>`,
 `<|audio_bos|><|AUDIO|><|audio_eos|>`: what the model's chat template writes), as vLLM expands them; and (2)
-`chat` messages: parsed by the API's own rules (api/requests.py, api/media_parts.py) and rendered, loaded and
+`chat` messages: parsed by the API's own rules (api/chat_messages.py, api/media_parts.py) and rendered, loaded and
 placed by serving's Frontend, so a conversation gets the ids an HTTP chat request of it gets.
 """
 
@@ -134,13 +134,13 @@ def chat_prompt(
     frontend, model: str, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs
 ):
     """One conversation's prompt ids, output plan and media spans, as the HTTP chat route makes them."""
-    from serval.api import requests as req
+    from serval.api import chat_messages
     from serval.api.media_parts import chat_media_parts
     from serval.api.openai import ChatMessage
     from serval.serving.chat import ChatOptions, ChatPrompt
 
     parsed = [ChatMessage.model_validate(message) for message in messages]
-    template_messages, continue_final = req.template_messages(parsed, None)
+    template_messages, continue_final = chat_messages.template_messages(parsed, None)
     media = chat_media_parts(parsed, frontend.media.config)
     frontend.check_media(media, model)
     prompt = ChatPrompt(

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from serval.api import requests as req
+from serval.api import chat_messages
 from serval.api.body import parse
 from serval.api.context import ServerContext
 from serval.api.errors import APIError, shown
@@ -64,7 +64,7 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            messages, continue_final = req.template_messages(
+            messages, continue_final = chat_messages.template_messages(
                 body.messages, body.continue_final_message, ctx.roles
             )
             media = chat_media_parts(body.messages, frontend.media.config)
