@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +22,11 @@ from serval.cli_options import (
     add_grammar_options,
     add_lora_options,
     add_media_options,
+    add_parallel_options,
     add_replica_options,
     byte_size,
 )
-from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serval.model_source import ModelSource, resolve_model
 from serval.server_config import (
     ServerConfig,
@@ -102,6 +104,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
     add_grammar_options(p)
+    add_parallel_options(p)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add_cors_options(p)
     add_lora_options(p)
@@ -162,7 +165,8 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
                           "max_lora_rank": "max_lora_rank"}),
         lora_modules=tuple(options.get("lora_modules") or ()),
     )  # fmt: skip
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora)
+    parallel = ParallelConfig(**_pick(options, {"tensor_parallel_size": "tensor_parallel_size"}))
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora, parallel=parallel)
 
 
 def server_config(options: dict[str, Any], default_model_name: str) -> ServerConfig:
@@ -211,6 +215,9 @@ def replica_config(options: dict[str, Any]):
             if name in options:
                 raise ValueError(f"--{name.replace('_', '-')} needs --replicas")
         return None
+    if options.get("tensor_parallel_size", 1) > 1:
+        # Each replica would spawn its own tensor-parallel workers inside a Ray actor: not built or tested.
+        raise ValueError("--replicas with --tensor-parallel-size > 1 is not supported yet")
     from serval.cluster.config import ReplicaConfig
 
     return ReplicaConfig(
@@ -234,9 +241,10 @@ def max_seqs_per_request(options: dict[str, Any]) -> int:
     return cap
 
 
-def start_engine(engine: EngineConfig, source: ModelSource, replicas=None):
+def start_engine(engine: EngineConfig, source: ModelSource, on_runner_failure=None, replicas=None):
     """The tokenizer and the running engine of `source` (or, with `replicas`, the client of the replica set:
-    serval/cluster/); exits with one line when the model can't load."""
+    serval/cluster/); exits with one line when the model can't load.
+    on_runner_failure(message): called on another thread if the runner dies under the server."""
     # Heavy imports here: `serval --help` and config errors stay fast.
     from serval.engine.client import EngineClient
     from serval.engine.lora import LoraError
@@ -255,7 +263,7 @@ def start_engine(engine: EngineConfig, source: ModelSource, replicas=None):
             if importlib.util.find_spec("ray") is None:
                 sys.exit("serval: error: --replicas needs Ray Serve: pip install 'serval[replicas]'")
             return tokenizer, start_replicas(engine, replicas), media_processor
-        return tokenizer, EngineClient.start(engine), media_processor
+        return tokenizer, EngineClient.start(engine, on_runner_failure), media_processor
     except LoraError as e:
         sys.exit(f"serval: error: {e}")
     except (ValueError, OSError) as e:
@@ -299,7 +307,15 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource, repli
     from serval.api.shutdown import STARTUP_FAILURE, run
     from serval.lifetime import freeze_long_lived_objects
 
-    tokenizer, client, media_processor = start_engine(engine, source, replicas)
+    failures: list[str] = []
+
+    def runner_failed(message: str) -> None:
+        # A tensor-parallel worker died (the runner logged it): stop as on SIGTERM (requests in flight have
+        # failed already, new ones get 503), then exit non-zero below.
+        failures.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tokenizer, client, media_processor = start_engine(engine, source, runner_failed, replicas)
     try:
         frontend, app = build_frontend_app(server, tokenizer, client, media_processor)
         freeze_long_lived_objects()
@@ -325,6 +341,8 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource, repli
             stop_replicas(client)
         else:
             client.shutdown()
+    if failures:
+        sys.exit(f"serval: error: {failures[0]}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -146,3 +146,14 @@ def add_replica_options(p: argparse.ArgumentParser) -> None:
         help="prefix (default): a prompt head seen before goes to the replica caching it while load allows, "
         "else to the least-loaded replica; round_robin: in turn",
     )
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        metavar="N",
+        help="split the model over N processes, each holding 1/N of the attention heads and of the MLP "
+        "(default 1; docs/deploy/tensor-parallel.md)",
+    )

@@ -123,8 +123,29 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # Processes the model is split over (runner/parallel/, docs/deploy/tensor-parallel.md): each holds 1/N
+    # of the attention heads and of the MLP. 1: one process, no split.
+    tensor_parallel_size: int = 1
+    # Torch threads of each rank; 0: torch's count (the machine's cores) divided by the size.
+    threads_per_rank: int = 0
+    # Seconds one all-reduce may wait for the other ranks before the step fails: a hung (not dead) worker.
+    # A dead one is seen at once (its connections close) or by the process watch.
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.threads_per_rank < 0:
+            raise ValueError(f"threads_per_rank must be >= 0, got {self.threads_per_rank}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be positive")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoraConfig = LoraConfig()
+    parallel: ParallelConfig = ParallelConfig()

@@ -1,5 +1,8 @@
 """LLM: the offline entry point, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
 
+`LLM.chat(messages)` renders conversations (media parts included) as the chat route does, and a prompt's
+`multi_modal_data` (images, audio) is placed as vLLM places it (llm_media.py).
+
 A synchronous driver over the server's own serving code: each prompt becomes a serving GenerationRequest
 (serving/generation.py: the prompt rules and max_tokens resolution, the n / best_of / beam fan-out, the
 incremental detokenizer and stop strings, the best n of best_of), and the Engine runs in the caller's thread
@@ -9,17 +12,21 @@ reason, usage and refusal message here as through the HTTP API.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from serval.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serval.engine.engine import Engine
 from serval.engine.outputs import TokenLogprob
 from serval.lifetime import freeze_long_lived_objects
+from serval.llm_media import chat_prompt, multi_modal_prompt, offline_frontend
 from serval.sampling import SamplingParams
 from serval.serving.errors import from_engine
 from serval.serving.generation import GenerationRequest, PromptRules
+from serval.serving.media.limits import MediaConfig
+from serval.serving.media.processor import media_processor_for
 from serval.serving.stream import ChoiceResult, Fold, LogprobEntry, Usage
 from serval.serving.tokenizer import Tokenizer
 
@@ -61,7 +68,10 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         batch_activations: str = "float32",
+        tensor_parallel_size: int = 1,
     ):
+        """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
+        close() stops them (else they stop when this process exits)."""
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -80,14 +90,25 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
+        source = self.engine.source
+        # A multimodal checkpoint's processor (its preprocessor_config.json); None for a text-only model.
+        self.media_processor = None if source.is_gguf else media_processor_for(source.path)
+        self.media_config = MediaConfig()
+        self._frontend = None  # serving's Frontend, for chat (built on first use)
+        self.model_name = os.path.basename(os.path.normpath(source.path))  # as refusals name it
         # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
         # sequence limit): the context alone bounds a prompt and its answer.
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot run after this)."""
+        self.engine.runner.close()
 
     def generate(
         self,
@@ -107,16 +128,54 @@ class LLM:
         texts, requests = [], []
         for prompt, params in zip(prompts, params_list):
             text, prompt_ids = self._prompt_ids(prompt)
+            spans = ()
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                prompt_ids, spans = multi_modal_prompt(
+                    prompt_ids, prompt["multi_modal_data"], self.media_processor, self.media_config
+                )
             texts.append(text)
             # Planned before anything is added: a refused prompt leaves the engine untouched.
-            request_id = str(self._next_id)
-            params = params or SamplingParams()
-            requests.append(
-                GenerationRequest(
-                    request_id, [prompt_ids], params, self.rules, self.tokenizer, param="prompt"
-                )
+            requests.append(self._request([prompt_ids], params, "prompt", media_spans=spans))
+        return self._generate(requests, texts, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[GenerationOutput]:
+        """One GenerationOutput per conversation (a list of OpenAI-style messages, or a list of those), its
+        prompt rendered by the model's chat template with its media parts (image_url, input_audio, ...)
+        fetched, decoded and placed as `/v1/chat/completions` does. Raises InvalidRequestError as generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        params_list = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(conversations)
+        )
+        if len(params_list) != len(conversations):
+            raise ValueError("sampling_params must be one SamplingParams or one per conversation")
+        if self._frontend is None:
+            self._frontend = offline_frontend(self.engine.max_model_len, self.tokenizer, self.media_processor)
+        requests = []
+        for conversation, params in zip(conversations, params_list):
+            ids, plan, spans = chat_prompt(
+                self._frontend, self.model_name, conversation, add_generation_prompt, chat_template_kwargs
             )
-            self._next_id += 1
+            requests.append(self._request([ids], params, "messages", output_plan=plan, media_spans=spans))
+        return self._generate(requests, [None] * len(requests), use_tqdm)
+
+    def _request(self, prompts: list[list[int]], params: SamplingParams | None, param: str, **kwargs):
+        request = GenerationRequest(
+            str(self._next_id), prompts, params or SamplingParams(), self.rules, self.tokenizer, param=param,
+            **kwargs,
+        )  # fmt: skip
+        self._next_id += 1
+        return request
+
+    def _generate(
+        self, requests: list[GenerationRequest], texts: list[str | None], use_tqdm: bool
+    ) -> list[GenerationOutput]:
         self._add(requests)
         try:
             folds = self._run(requests, use_tqdm)

@@ -59,3 +59,19 @@ def tiny_vl_factory(tmp_path_factory):
         return made[qwen2_5]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_audio_factory(tmp_path_factory):
+    """() -> (directory, transformers model): a tiny Qwen2-Audio, written once."""
+    from tests.fixtures.tiny_audio import write_tiny_audio_model
+
+    made: list = []
+
+    def make():
+        if not made:
+            directory = str(tmp_path_factory.mktemp("tiny-qwen2-audio"))
+            made.append((directory, write_tiny_audio_model(directory)))
+        return made[0]
+
+    return make

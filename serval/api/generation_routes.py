@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serval.api import chat_messages
 from serval.api import requests as req
 from serval.api.body import parse
 from serval.api.chat_options import chat_options
@@ -114,7 +115,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         is_stream = bool(chat.stream)
         params = req.chat_sampling_params(chat, is_stream, ctx.vocab_size)
         frontend.check_num_sequences(1, params, "messages")  # before the messages' checks, as ever
-        messages, continue_final = req.template_messages(
+        messages, continue_final = chat_messages.template_messages(
             chat.messages, chat.continue_final_message, ctx.roles
         )
         # Every media part parsed and checked first; a model that cannot read one refuses it before any fetch.
@@ -125,7 +126,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
             add_generation_prompt=chat.add_generation_prompt is not False,
             continue_final_message=continue_final,
             template_kwargs=req.with_template_kwargs(chat),
-            cache_spans=req.cache_spans(chat.messages),
+            cache_spans=chat_messages.cache_spans(chat.messages),
             media=media,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from serval.api import requests as req
+from serval.api import chat_messages
 from serval.api.body import parse
 from serval.api.context import ServerContext
 from serval.api.errors import APIError, shown
@@ -68,12 +68,14 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            messages, continue_final = req.template_messages(
+            messages, continue_final = chat_messages.template_messages(
                 body.messages, body.continue_final_message, ctx.roles
             )
-            frontend.check_media(chat_media_parts(body.messages, frontend.media.config), model)
+            media = chat_media_parts(body.messages, frontend.media.config)
+            frontend.check_media(media, model)
             tokens = await frontend.tokenize_chat(
                 messages,
+                media,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 continue_final_message=continue_final,
                 template_kwargs=body.chat_template_kwargs,

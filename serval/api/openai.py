@@ -46,8 +46,8 @@ class ToolCall(Schema):
 
 class ChatMessage(Schema):
     role: Annotated[str, Field(min_length=1)]
-    # str, a list of content parts, or null (assistant with tool_calls); checked in requests.py so the error
-    # names the part that is wrong.
+    # str, a list of content parts, or null (assistant with tool_calls); checked in chat_messages.py so the
+    # error names the part that is wrong.
     content: Any = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

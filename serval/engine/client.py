@@ -106,6 +106,8 @@ class EngineClient:
         self._max_queue_len = engine.config.scheduler.max_queue_len
         # Reads adapter files and the model's fixed shapes, never a slot: safe on a worker thread.
         self._read_lora = engine.runner.read_lora
+        # Stops a tensor-parallel runner's workers; called once the engine thread has ended.
+        self._close_runner = engine.runner.close
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         # Guards _streams, _stopped, _num_pending and _stats. Held while a command is queued, so none can
@@ -124,7 +126,9 @@ class EngineClient:
         self._thread.start()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> EngineClient:
+    def start(cls, config: EngineConfig, on_runner_failure=None) -> EngineClient:
+        """on_runner_failure(message): called on another thread if the runner can no longer run a step (a
+        tensor-parallel worker died); the server stops itself with it."""
         # NOTE: the engine is built on a helper thread, not the caller's (the main one). Once the main thread
         # has run an OpenMP parallel region (loading the weights runs many), every region another thread
         # starts costs ~50 us more (libgomp; measured: an elementwise op 27 -> 75 us, a 137-token prefill
@@ -143,6 +147,8 @@ class EngineClient:
         builder.join()
         if "error" in built:
             raise built["error"]
+        if on_runner_failure is not None:
+            built["engine"].runner.watch(on_runner_failure)
         return cls(built["engine"])
 
     # ---- event-loop side
@@ -266,6 +272,8 @@ class EngineClient:
                 self._stopped = True
                 self._commands.put(Stop())
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the runner is the engine thread's until it has ended
+            self._close_runner()
 
     # ---- engine-thread side
 

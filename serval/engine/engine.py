@@ -21,7 +21,7 @@ from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
 from serval.runner.lora import LoraAdapter
 from serval.runner.media import MediaInput, MediaPrompt
-from serval.runner.runner import ModelRunner
+from serval.runner.parallel.runner import make_runner
 from serval.sampling import SamplingParams
 
 
@@ -52,7 +52,7 @@ class Engine:
         # clock: what pin expiry is measured against; tests pass a fake one to skip five minutes.
         self.config = config
         self.source = source or resolve_model(config.model.model)
-        self.runner = ModelRunner(config.model, config.cache, self.source, config.lora)
+        self.runner = make_runner(config.model, config.cache, self.source, config.lora, config.parallel)
         info = self.runner.info
         cache = config.cache
         max_num_pinned = (

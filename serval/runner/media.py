@@ -28,10 +28,20 @@ class MediaInput:
     # Names the content and how it was prepared: the prefix cache mixes it into the hash of every block that
     # holds one of the item's rows (equal placeholder ids must not mean equal blocks).
     content_hash: bytes
-    is_video: bool
-    grid: tuple[int, int, int]  # (temporal patches, patch rows, patch columns)
-    pixel_values: torch.Tensor = field(repr=False)  # (t * h * w, channels * temporal_patch * patch**2) fp32
+    # An image or video (Qwen2-VL): its patch grid and pixel patches.
+    is_video: bool = False
+    grid: tuple[int, int, int] = (0, 0, 0)  # (temporal patches, patch rows, patch columns)
+    # (t * h * w, channels * temporal_patch * patch**2) fp32; None for audio
+    pixel_values: torch.Tensor | None = field(default=None, repr=False)
     seconds_per_grid: float = 1.0  # a video's seconds per temporal patch (Qwen2.5-VL's M-RoPE time scale)
+    # An audio clip (Qwen2-Audio): its log-mel features over one whole chunk, padding included, and how many
+    # of their frames are the clip (the encoder masks the rest).
+    input_features: torch.Tensor | None = field(default=None, repr=False)  # (num_mel_bins, chunk frames) fp32
+    num_feature_frames: int = 0
+
+    @property
+    def is_audio(self) -> bool:
+        return self.input_features is not None
 
     @property
     def end(self) -> int:

@@ -1,7 +1,9 @@
 """Exact low-bit forms of weight matrices, packed for the native quantized matmul (kernels/quantized_linear.cpp).
 
 Every GGUF block format serval packs (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a code q per weight
-and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w = d q + m. The loader reads
+and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w = d q + m (with no offset, a
+4-, 5- or 6-bit code is biased: w = d (q - 8), d (q - 16), d (q - 32)). Codes keep their file's width: 4, 5,
+6 or 8 bits, so a packed matrix takes what it takes in its file. The loader reads
 codes and scales straight from a file's bytes (`BlockCodes`, loader/dequant.py) and `pack_block_codes` puts
 them in the kernel's layout (kernels/quantized.h). Other checkpoints go through `find_packed`, which
 recognizes a Q4_0/Q4_1/Q8_0-shaped matrix from its fp32 values, recovering its codes exactly (it checks the
@@ -29,10 +31,10 @@ class BlockCodes:
     """A matrix's codes and scales as a GGUF file stores them (loader/dequant.py reads them from its bytes),
     one row per output feature, before packing: w = d q + m per row and scale block."""
 
-    bits: int  # 4: codes uint8 0..15; 8: codes int8
+    bits: int  # 4, 5, 6: codes uint8 0..2^bits - 1; 8: codes int8
     codes: torch.Tensor  # (N, K/32, 32)
     scales: torch.Tensor  # (N, K/S): fp16 d, or with super_scales the 8-bit sub-block scales
-    # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none (4-bit codes: m = -8 d, Q4_0)
+    # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none (4-6 bits: w = d (q - 2^(bits-1)))
     offsets: torch.Tensor | None = None
     super_scales: torch.Tensor | None = None  # (N, K/256, 2) fp16: D and -Dmin of each super-block
 
@@ -53,9 +55,10 @@ class PackedWeight:
     per row and scale block, d and m as the file stores them; or (bits 16) a GGUF F16/BF16 matrix's own
     values, which the kernel widens in registers (kernels/half_linear.cpp)."""
 
-    bits: int  # 4 or 8: the codes' width; 16: fp16/bf16 values, no scales
+    bits: int  # 4, 5, 6 or 8: the codes' width; 16: fp16/bf16 values, no scales
     out_features: int
-    # 4-bit: (N/16, K/32, 4, 64) uint8; 8-bit: (N/16, K/32, 8, 64) int8; 16-bit: (N, K) fp16 or bf16
+    # 4-, 5-, 6-bit: (N/16, K/32, 4, 5 or 6, 64) uint8 (nibble chunks, then high bits; kernels/quantized.h);
+    # 8-bit: (N/16, K/32, 8, 64) int8; 16-bit: (N, K) fp16 or bf16
     codes: torch.Tensor
     # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales
     scales: torch.Tensor
@@ -86,6 +89,7 @@ class PackedWeight:
         return (
             self.bits,
             self.codes.dtype,
+            self.codes.shape[2:],
             self.scales.dtype,
             self.scales.shape[1:],
             self.offsets.shape[1:],
@@ -99,11 +103,13 @@ class PackedWeight:
         group, row = indices // GROUP, indices % GROUP
         taken = torch.arange(len(indices))
         codes = self.codes[group]  # (T, K/32, chunks, 64): byte (half h, row r, element e) of each chunk
-        picked = codes.view(*codes.shape[:3], 2, GROUP, 2)[taken, :, :, :, row]
-        if self.bits == 4:  # (T, B, c, h, e) -> weight 8c + 4 nibble + 2h + e
-            q = torch.stack([picked & 0x0F, picked >> 4], dim=3).reshape(*picked.shape[:2], BLOCK)
-        else:  # (T, B, c, h, e) -> weight 4c + 2h + e
+        picked = codes.view(*codes.shape[:3], 2, GROUP, 2)[taken, :, :, :, row]  # (T, K/32, chunks, h, e)
+        if self.bits == 8:  # (T, B, c, h, e) -> weight 4c + 2h + e
             q = picked.reshape(*picked.shape[:2], BLOCK)
+        else:
+            q = _codes_of_chunks(picked, self.bits)
+            if not self.offsets.numel() and self.bits > 4:  # Q5_0, Q6_K: w = d (q - 2^(bits-1))
+                q = q.to(torch.int16) - (1 << (self.bits - 1))
         in_features = q.shape[1] * BLOCK
         scale_weights = in_features // self.scales.shape[1]
         d = self.scales[group, :, row].float()  # (T, K/S)
@@ -176,15 +182,46 @@ def _stacked(parts: list[PackedWeight]) -> PackedWeight:
     )
 
 
+def _scale_weights(bits: int) -> int:
+    """Weights per scale of a packed layout with `bits`-bit codes: 16 for Q6_K's 6 bits, else 32."""
+    return 16 if bits == 6 else BLOCK
+
+
+def _codes_of_chunks(chunks: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., K/32, chunks, 2, 2) bytes (chunk c, half h, element e) of 4-, 5- or 6-bit codes -> (..., K/32, 32)
+    uint8 codes: per scale block, nibble chunks then a chunk of high bits (kernels/quantized.h)."""
+    high_bits, scale_weights = bits - 4, _scale_weights(bits)
+    nibble_chunks = scale_weights // 8
+    per_scale = chunks.reshape(*chunks.shape[:-3], BLOCK // scale_weights, -1, 2, 2)  # (..., S, c, h, e)
+    nibbles = per_scale[..., :nibble_chunks, :, :]
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-3)  # (..., S, c, n, h, e): weight 8c + 4n + 2h + e
+    if high_bits:
+        high = per_scale[..., nibble_chunks, :, :].unsqueeze(-3).unsqueeze(-3)  # (..., S, 1, 1, h, e)
+        at = high_bits * (2 * torch.arange(nibble_chunks).reshape(-1, 1) + torch.arange(2))  # (c, n)
+        top = (high >> at.to(torch.uint8).reshape(nibble_chunks, 2, 1, 1)) & ((1 << high_bits) - 1)
+        q = q | (top << 4)
+    return q.reshape(*chunks.shape[:-3], BLOCK)
+
+
 def pack_block_codes(block: BlockCodes) -> PackedWeight:
     """The packed form of a GGUF matrix's codes and scales as loader/dequant.py reads them from its bytes."""
-    # Per group of 16 rows, block and chunk c, byte i = (half h, row r, element e) (see quantized_linear.cpp).
+    # Per group of 16 rows, block and chunk c, byte i = (half h, row r, element e) (kernels/quantized.h).
     rows = block.codes.shape[0]
-    if block.bits == 4:  # low nibble weight 2(4c + h) + e, high nibble weight 2(4c + 2 + h) + e
-        chunked = block.codes.reshape(*block.codes.shape[:2], 4, 2, 2, 2)  # (N, K/32, c, nibble, h, e)
-        pairs = chunked[..., 0, :, :] | (chunked[..., 1, :, :] << 4)  # (N, K/32, c, h, e)
-    else:  # weight 2(2c + h) + e
+    if block.bits == 8:  # weight 2(2c + h) + e
         pairs = block.codes.reshape(*block.codes.shape[:2], 8, 2, 2)
+    else:  # per scale block: nibble n of chunk c is weight 8c + 4n + 2h + e; then the high bits
+        high_bits, scale_weights = block.bits - 4, _scale_weights(block.bits)
+        nibble_chunks = scale_weights // 8
+        # (N, K/32, S, c, n, h, e)
+        chunked = block.codes.reshape(*block.codes.shape[:2], BLOCK // scale_weights, nibble_chunks, 2, 2, 2)
+        low = chunked & 0x0F
+        pairs = low[..., 0, :, :] | (low[..., 1, :, :] << 4)  # (N, K/32, S, c, h, e)
+        if high_bits:
+            at = high_bits * (2 * torch.arange(nibble_chunks).reshape(-1, 1) + torch.arange(2))  # (c, n)
+            shifted = (chunked >> 4).to(torch.int32) << at.reshape(nibble_chunks, 2, 1, 1)
+            high = shifted.sum(dim=(-4, -3)).to(torch.uint8)  # (N, K/32, S, h, e): disjoint bits
+            pairs = torch.cat([pairs, high.unsqueeze(-3)], dim=-3)
+        pairs = pairs.reshape(*block.codes.shape[:2], -1, 2, 2)
     grouped = _grouped(pairs, rows)  # (N/16, K/32, 16 rows, c, h, e)
     codes = grouped.permute(0, 1, 3, 4, 2, 5).reshape(grouped.shape[0], grouped.shape[1], -1, 64)
 

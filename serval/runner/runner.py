@@ -20,6 +20,7 @@ from serval.runner.layers import use_native_kernels
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.media import MediaInput, MediaPrompt, media_step
+from serval.runner.parallel.shard import TensorParallelPart, plan_shard, sharded_checkpoint
 from serval.runner.sampler import Sampler
 
 
@@ -38,7 +39,8 @@ class RunnerInfo:
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
-    num_threads: int = 1
+    num_threads: int = 1  # per rank under tensor parallelism
+    tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -49,8 +51,16 @@ class RunnerInfo:
         return (
             f"{self.architecture}, weights {self.weight_format}{' (packed)' if self.packed_weights else ''},"
             f" compute dtype {self.dtype} on {self.device},"
-            f" CPU kernels {self.kernel_variant}, {self.num_threads} threads, KV cache {self.kv_cache_tokens}"
+            f" CPU kernels {self.kernel_variant}, {self.num_threads} threads{self._parallel_text()},"
+            f" KV cache {self.kv_cache_tokens}"
             f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
+        )
+
+    def _parallel_text(self) -> str:
+        return (
+            ""
+            if self.tensor_parallel_size == 1
+            else f" in each of {self.tensor_parallel_size} tensor-parallel ranks"
         )
 
 
@@ -96,9 +106,20 @@ class ModelRunner:
         cache_config: CacheConfig,
         source: ModelSource,
         lora_config: LoraConfig | None = None,
+        tensor_parallel: TensorParallelPart | None = None,
     ):
+        """tensor_parallel: this process is one rank of a split model (runner/parallel/): it loads, computes
+        and caches only its rank's heads and MLP slice, and all-reduces each block half's output."""
         self.device = resolve_device(model_config.device)
         checkpoint = open_checkpoint(source)
+        # The whole model's shape: the KV budget is the whole model's, so every rank gets the same block count.
+        self.full_arch = checkpoint.arch
+        self.tensor_parallel_size = 1
+        if tensor_parallel is not None:
+            self.check_can_split(checkpoint.arch, lora_config)
+            shard = plan_shard(checkpoint.arch, tensor_parallel.rank, tensor_parallel.world_size)
+            checkpoint = sharded_checkpoint(checkpoint, shard)
+            self.tensor_parallel_size = tensor_parallel.world_size
         self.arch = checkpoint.arch
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
@@ -135,6 +156,8 @@ class ModelRunner:
             int8 = model_config.batch_activations == "int8"
             use_native_kernels(self.model, kernels, int8)
             self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
+        if tensor_parallel is not None:
+            self.model.use_tensor_parallel(tensor_parallel.all_reduce)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
@@ -162,7 +185,28 @@ class ModelRunner:
             packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
             num_threads=self.num_threads,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
+
+    @staticmethod
+    def check_can_split(arch, lora_config: LoraConfig | None) -> None:
+        """Refuse, at start-up, what tensor parallelism does not run (docs/deploy/tensor-parallel.md)."""
+        if lora_config is not None and lora_config.is_enabled:
+            raise ValueError(
+                "LoRA adapters are not supported with tensor parallelism (--tensor-parallel-size)"
+            )
+        if arch.vision is not None:
+            raise ValueError(
+                f"{arch.architecture} (a multimodal model) is not supported with tensor parallelism"
+                " (--tensor-parallel-size): its vision tower is not split"
+            )
+
+    def watch(self, on_failure) -> None:
+        """on_failure(message): called (on another thread) if the runner can no longer run a step. A single
+        process never fails that way; a tensor-parallel runner calls it when a worker dies."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory: nothing for a single process."""
 
     # ---- LoRA adapters (runner/lora.py)
 
@@ -209,7 +253,7 @@ class ModelRunner:
         return MediaPrompt(items, positions, delta)
 
     def _bytes_per_block(self) -> int:
-        a = self.arch
+        a = self.full_arch
         element_size = self.dtype.itemsize
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element_size
 

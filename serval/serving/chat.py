@@ -43,7 +43,8 @@ class ChatPrompt:
     continue_final_message: bool = False  # the last (assistant) message is continued, not answered
     template_kwargs: dict[str, Any] | None = None
     cache_spans: tuple[CacheSpan, ...] = ()  # cache_control stretches of message text (explicit caching)
-    # The media parts, in order; each user message's come before its text (its serval_num_media says how many).
+    # The media parts, in order; each sits in its message's text where its content list puts it
+    # (serval_media_offsets).
     media: tuple[MediaPart, ...] = ()
 
 

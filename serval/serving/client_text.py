@@ -29,8 +29,9 @@ from typing import Any
 # A placeholder with any nonce: `tojson` (which cannot know the render's nonce) adds its escape letter to it.
 _ANY_PLACEHOLDER = re.compile(r"(SERVAL[0-9a-f]{16})([JA]*)(N\d+E)")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-# A template message's count of media parts (api/requests.py sets it); never shown to the template.
-MEDIA_COUNT_KEY = "serval_num_media"
+# Where a template message's media parts sit in its text, in characters (api/requests.py sets it); never
+# shown to the template.
+MEDIA_OFFSETS_KEY = "serval_media_offsets"
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class Segment:
     text: str
     is_client_text: bool  # True: encode as plain text, never as special tokens
     ends_cache_prefix: bool = False  # the explicit-cache prefix (cache_control) ends with this segment
-    # The next this-many media items of the request go here, before `text` (which is then ""): a message's
-    # media sit in front of its text (serving/media/processor.py).
+    # The next this-many media items of the request go here, before `text` (which is then ""): where the
+    # message's content list puts them among its text parts (serving/media/processor.py).
     num_media: int = 0
 
 
@@ -111,7 +112,8 @@ class ClientTexts:
         self.texts: list[str] = []
         # (index of a masked text, characters into it) where the explicit-cache prefix ends, or None.
         self.cache_cut: tuple[int, int] | None = None
-        self.media_before: dict[int, int] = {}  # index of a masked content -> media items before it
+        # index of a masked content -> where its message's media sit in it (characters, in order)
+        self.media_at: dict[int, tuple[int, ...]] = {}
 
     def placeholder(self, text: str) -> str:
         self.texts.append(text)
@@ -155,16 +157,16 @@ class ClientTexts:
         """cache_end: characters into this message's content where the explicit-cache prefix ends."""
         # NOTE: content is always a placeholder, even when harmless: the frontend finds the turns (the cache
         # prefix's end, where the answer starts, the final message to continue) by its client segments.
-        shown = [key for key in message if key != MEDIA_COUNT_KEY]
+        shown = [key for key in message if key != MEDIA_OFFSETS_KEY]
         masked = {key: self._field(key, message[key]) for key in shown if key != "content"}
         content = message.get("content")
-        num_media = message.get(MEDIA_COUNT_KEY, 0)
-        if isinstance(content, str) and (content or num_media):
+        media_offsets = tuple(message.get(MEDIA_OFFSETS_KEY, ()))
+        if isinstance(content, str) and (content or media_offsets):
             masked["content"] = self.placeholder(content)
             if cache_end is not None:
                 self.cache_cut = (len(self.texts) - 1, cache_end)
-            if num_media:
-                self.media_before[len(self.texts) - 1] = num_media
+            if media_offsets:
+                self.media_at[len(self.texts) - 1] = media_offsets
         else:
             masked["content"] = content
         return {key: masked[key] for key in shown}
@@ -178,25 +180,44 @@ class ClientTexts:
             if match.start() > position:
                 segments.append(self._template_segment(rendered[position : match.start()]))
             index = int(match.group(2))
-            if index in self.media_before:
-                segments.append(Segment("", is_client_text=False, num_media=self.media_before[index]))
-            pieces = [self.texts[index]]
-            if self.cache_cut is not None and self.cache_cut[0] == index:
-                # NOTE: the two halves are encoded apart, so the prefix's tokens do not depend on what follows
-                # it: a later request with the same prefix and another continuation finds the same blocks.
-                cut = self.cache_cut[1]
-                pieces = [pieces[0][:cut], pieces[0][cut:]]
-            for k, text in enumerate(pieces):
-                for letter in match.group(1):  # escaping is per character, so the halves escape apart
-                    text = json.dumps(text, ensure_ascii=letter == "A")[1:-1]
-                if k == 0 and len(pieces) == 2:
-                    segments.append(Segment(text, is_client_text=True, ends_cache_prefix=True))
-                elif text:
-                    segments.append(Segment(text, is_client_text=True))
+            segments.extend(self._client_segments(index, match.group(1)))
             position = match.end()
         if position < len(rendered):
             segments.append(self._template_segment(rendered[position:]))
         return segments
+
+    def _client_segments(self, index: int, escapes: str) -> list[Segment]:
+        """One client text's segments: its pieces between the places its message's media sit (a media
+        segment each) and where the explicit-cache prefix ends (the piece before it flagged)."""
+        text = self.texts[index]
+        offsets = self.media_at.get(index, ())
+        # (position, order, number of media items): media first where the prefix also ends there (NOTE: a
+        # cache_control on a media part ends the prefix after that part, so media there count as inside it).
+        stops = [(offset, 0, offsets.count(offset)) for offset in sorted(set(offsets))]
+        if self.cache_cut is not None and self.cache_cut[0] == index:
+            stops.append((self.cache_cut[1], 1, 0))
+        segments, start = [], 0
+        # NOTE: the pieces are encoded apart, so the prefix's tokens do not depend on what follows it (a later
+        # request with the same prefix and another continuation finds the same blocks).
+        for position, is_cut, num_media in sorted(stops):
+            piece = self._escaped(text[start:position], escapes)
+            if is_cut:
+                segments.append(Segment(piece, is_client_text=True, ends_cache_prefix=True))
+            else:
+                if piece:
+                    segments.append(Segment(piece, is_client_text=True))
+                segments.append(Segment("", is_client_text=False, num_media=num_media))
+            start = position
+        tail = self._escaped(text[start:], escapes)
+        if tail:
+            segments.append(Segment(tail, is_client_text=True))
+        return segments
+
+    @staticmethod
+    def _escaped(text: str, escapes: str) -> str:
+        for letter in escapes:  # escaping is per character, so the pieces escape apart
+            text = json.dumps(text, ensure_ascii=letter == "A")[1:-1]
+        return text
 
     def _template_segment(self, text: str) -> Segment:
         if self.nonce in text.lower():

@@ -172,13 +172,13 @@ class Frontend:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        media: list[MediaItem] | None = None,
     ) -> list[int]:
+        """The prompt ids of the messages, each loaded media item's run placed where its part sits."""
         segments = self._render(
             messages, add_generation_prompt, continue_final_message, tools, template_kwargs
         )
-        if any(segment.num_media for segment in segments):
-            raise InvalidRequestError("/tokenize does not count media parts", "messages")
-        return self._encode(segments)[0]
+        return self._encode(segments, media or [])[0]
 
     async def prepare_chat(
         self, prompt: ChatPrompt, options: ChatOptions, media: list[MediaItem] | None = None
@@ -215,9 +215,18 @@ class Frontend:
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """render_chat, off the event loop when the text is long."""
-        return await self.text_threads.run(num_message_chars(messages), self.render_chat, messages, **kwargs)
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], media: tuple[MediaPart, ...] = (), **kwargs: Any
+    ) -> list[int]:
+        """render_chat, off the event loop when the text is long; the media parts (checked by check_media)
+        loaded as a chat request's are, so that their runs count as the prompt's tokens (vLLM's /tokenize)."""
+        items: list[MediaItem] = []
+        if media:
+            assert self.media_processor is not None, "check_media refuses media without a processor"
+            items = await self.media.load(media, self.media_processor)
+        return await self.text_threads.run(
+            num_message_chars(messages), self.render_chat, messages, media=items, **kwargs
+        )
 
     async def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Raw completion prompts' ids (a raw prompt is the client's own template: special tokens in it are

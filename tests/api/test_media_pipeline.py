@@ -1,7 +1,7 @@
 """Media through a real server on loopback (uvicorn, the real app, the real openai client), with a test-only
 MediaProcessor standing in for the multimodal model the next task builds: every part is fetched (from a
 loopback HTTP server, allowed by the test-only switch; a local directory; inline data), decoded and counted,
-its placeholder run lands in the prompt before its message's text, usage reports tokens by modality, and every
+its placeholder run lands in the prompt where its message's content list puts it, usage reports tokens by modality, and every
 broken or refused part is a 400 naming it. The scripted engine only echoes text: no encoder runs here."""
 
 from __future__ import annotations
@@ -127,10 +127,27 @@ def test_every_source_is_fetched_decoded_and_placed(served):
     assert details["text_tokens"] == response.usage.prompt_tokens - 81
     prompt = engine.prompts[-1]
     assert len(prompt) == response.usage.prompt_tokens
-    # The four runs sit together before the message's text, in the parts' order.
+    # The four runs sit together after the message's text, in the parts' order, as the content list has them.
     start = prompt.index(PLACEHOLDER_ID)
     assert prompt[start : start + 81] == [PLACEHOLDER_ID] * 81 and PLACEHOLDER_ID not in prompt[start + 81 :]
-    assert bytes(prompt[start + 81 : start + 81 + 13]) == b"What is this?"
+    assert bytes(prompt[start - 13 : start]) == b"What is this?"
+
+
+def test_media_sit_between_the_texts_where_the_content_list_puts_them(served):
+    client, engine, _ = served
+    wav = base64.b64encode(audio_bytes(1.0, 16_000, "wav")).decode()
+    audio = {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}  # 25 tokens
+    content = [audio, {"type": "text", "text": "one"}, {"type": "text", "text": "two"}, audio,
+               {"type": "text", "text": "three"}, audio]  # fmt: skip
+    client.chat.completions.create(
+        model="probe", messages=[{"role": "user", "content": content}], max_tokens=4
+    )
+    prompt = engine.prompts[-1]
+    start = prompt.index(PLACEHOLDER_ID)
+    run = [PLACEHOLDER_ID] * 25
+    # Adjacent text parts join with a newline; a media part adds nothing around its run.
+    expected = [*run, *b"one\ntwo", *run, *b"three", *run]
+    assert prompt[start : start + len(expected)] == expected
 
 
 def test_pixel_controls_change_the_count(served):

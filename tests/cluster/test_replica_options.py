@@ -21,6 +21,11 @@ def test_replica_flags_become_the_config():
     assert config == ReplicaConfig(num_replicas=3, threads_per_replica=2, routing="round_robin")
 
 
+def test_replicas_refuse_tensor_parallelism_for_now():
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        replica_config({"replicas": 2, "tensor_parallel_size": 2})
+
+
 @pytest.mark.parametrize("name", ["replica_threads", "ray_address", "replica_routing"])
 def test_replica_flags_need_replicas(name):
     with pytest.raises(ValueError, match="needs --replicas"):

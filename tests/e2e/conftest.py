@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.e2e.helpers import die_with_parent
+
 STARTUP_TIMEOUT_S = 240
 API_KEYS = ("key-one", "key-two")
 DEPLOY_MODEL = "smol"
@@ -74,7 +76,7 @@ def launch(args: list[str], log_path: str) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509 (one prctl call)
     return Server(process, port, log_path)
 
 

@@ -1,12 +1,29 @@
-"""Small helpers for the real-server tests: raw SSE reading and metric scraping."""
+"""Small helpers for the real-server tests: raw SSE reading, metric scraping, and child processes that end
+with the test run."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+import signal
+import sys
 import time
 
 import httpx
+
+# prctl, looked up here rather than in the forked child: dlopen's lock may be held by another thread at fork.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A subprocess.Popen preexec_fn: the child gets SIGKILL when the pytest process that started it dies, so a
+    run stopped hard (a timeout, a kill) leaves no server holding a port and gigabytes behind. Linux only; a
+    no-op elsewhere, where fixtures' own teardown is all there is. It only makes one system call through a
+    function resolved before the fork, which is safe in a child forked from a threaded parent."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def sse_chunks(base_url: str, path: str, body: dict, headers: dict | None = None) -> list[dict]:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server, free_port
+from tests.e2e.helpers import die_with_parent
 
 # A real server process with the default model.
 pytestmark = pytest.mark.slow
@@ -33,7 +34,12 @@ def test_server_summary_line_and_a_quiet_exit(tmp_path):
                "--max-num-seqs", "7", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
     stderr_path = tmp_path / "stderr.log"
     with open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 (one prctl call)
+        )
     server = Server(process, port, str(stderr_path))
     try:
         server.wait_ready()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -174,3 +175,84 @@ def test_bad_media_are_400s_naming_the_part(vl_server, part, code):
     body = error.value.body
     assert body["param"] == "messages[0].content[0]" and body["code"] == code
     assert body["type"] == "invalid_request_error" and body["message"]
+
+
+# Qwen2-VL's released chat template, in its parts that matter here: list content written item by item, an
+# image as its vision markers around one pad (transformers' processor expands it), a default system turn.
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_images_sit_between_the_texts_as_transformers_processor_puts_them(vl_server):
+    # /tokenize counts each image's run where the content list has it: the ids transformers makes of
+    # Qwen2-VL's own template over the same list and pixels.
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    client, directory, _ = vl_server
+    first, second = png_bytes(150, 100, seed=11), png_bytes(60, 90, seed=12)
+    content = [
+        {"type": "text", "text": QUESTION},
+        {"type": "image_url", "image_url": {"url": data_url("image/png", first)}},
+        {"type": "text", "text": "describe the image"},
+        {"type": "image_url", "image_url": {"url": data_url("image/png", second)}},
+    ]
+    messages = [{"role": "system", "content": "describe the image"}, {"role": "user", "content": content}]
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    ours = httpx.post(f"{base_url}/tokenize", json={"model": "tiny", "messages": messages}, timeout=60).json()
+
+    # transformers renders the template and tokenizes; each pad is expanded to its image's merged patches as
+    # Qwen2VLProcessor does (its class needs torchvision, for video, so its step is written out here).
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=QWEN2_VL_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    bounds = read_resize_bounds(directory)
+    pixels = [
+        decode_image(io.BytesIO(png), None, bounds, MediaConfig(), "p").pixels for png in (first, second)
+    ]
+    grids = Qwen2VLImageProcessorPil()(images=pixels, do_resize=False, return_tensors="pt")["image_grid_thw"]
+    pieces = text.split("<|image_pad|>")
+    expanded = pieces[0] + "".join(
+        "<|image_pad|>" * (int(g.prod()) // 4) + p for g, p in zip(grids, pieces[1:])
+    )
+    theirs = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    assert ours["tokens"] == theirs.tolist()
+    assert ours["tokens"].count(IMAGE_PAD) == 20 + 6  # 140 x 112 and 56 x 84 pixels
+
+
+def test_the_offline_llm_answers_images_as_the_server_does(vl_server):
+    # vLLM's two shapes: chat with an image_url part, and a raw prompt with multi_modal_data's PIL images.
+    from PIL import Image
+
+    from serval import LLM, SamplingParams
+
+    client, directory, _ = vl_server
+    first, second = png_bytes(150, 100, seed=13), png_bytes(60, 90, seed=14)
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url("image/png", png)}} for png in (first, second)
+    ]
+    served = ask(client, *parts)
+    llm = LLM(model=directory, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat = llm.chat([{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}], params)[0]
+    assert chat.outputs[0].text == served.choices[0].message.content
+    assert (chat.usage.num_prompt_tokens, chat.usage.num_image_tokens) == (
+        served.usage.prompt_tokens, served.usage.prompt_tokens_details.image_tokens,
+    )  # fmt: skip
+    run = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompt = f"<|im_start|>user\n{run}{run}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    images = [Image.open(io.BytesIO(png)) for png in (first, second)]
+    raw = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, params)[0]
+    assert (
+        raw.prompt_token_ids == chat.prompt_token_ids
+        and raw.outputs[0].token_ids == chat.outputs[0].token_ids
+    )

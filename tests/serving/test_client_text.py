@@ -248,3 +248,24 @@ def test_empty_strings_stay_empty_for_the_template():
     source = "{% for m in messages %}[{% if m.name %}named{% endif %}{% if m.content %}text{% endif %}]{% endfor %}"
     segments = ChatTemplate(source).render([{"role": "assistant", "content": "", "name": ""}])
     assert "".join(s.text for s in segments) == "[]"
+
+
+@pytest.mark.parametrize(
+    "offsets, cache_end, expected",
+    [
+        ((0,), None, [("", 1), ("ab\ncd", 0)]),
+        ((2, 2, 5), None, [("ab", 0), ("", 2), ("\ncd", 0), ("", 1)]),
+        ((2,), 2, [("ab", 0), ("", 1), ("", "cut"), ("\ncd", 0)]),  # media where the prefix ends: inside it
+        ((4,), 1, [("a", "cut"), ("b\nc", 0), ("", 1), ("d", 0)]),
+    ],
+)
+def test_media_and_the_cache_cut_split_a_message_s_text_in_place(offsets, cache_end, expected):
+    from serval.serving.client_text import MEDIA_OFFSETS_KEY, ClientTexts
+
+    texts = ClientTexts(None)
+    message = texts.mask_message({"role": "user", "content": "ab\ncd", MEDIA_OFFSETS_KEY: offsets}, cache_end)
+    assert MEDIA_OFFSETS_KEY not in message
+    segments = texts.split(f"<u>{message['content']}</u>")
+    assert segments[0].text == "<u>" and segments[-1].text == "</u>"
+    shown = [(s.text, "cut" if s.ends_cache_prefix else s.num_media) for s in segments[1:-1]]
+    assert shown == expected

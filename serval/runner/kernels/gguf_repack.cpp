@@ -27,7 +27,7 @@ enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
 
 struct Format {
   int64_t block_weights, block_bytes;
-  int bits;               // of the packed codes: 4 or 8
+  int bits;               // of the packed codes: 4, 5, 6 or 8
   int64_t scale_weights;  // weights per scale d: 32, or 16 (Q6_K)
   bool offsets, super;
 };
@@ -37,19 +37,19 @@ constexpr Format format_of(int64_t type) {
     case kQ4_0: return {32, 18, 4, 32, false, false};
     case kQ4_1: return {32, 20, 4, 32, true, false};
     case kQ8_0: return {32, 34, 8, 32, false, false};
-    case kQ5_0: return {32, 22, 8, 32, false, false};
-    case kQ5_1: return {32, 24, 8, 32, true, false};
+    case kQ5_0: return {32, 22, 5, 32, false, false};
+    case kQ5_1: return {32, 24, 5, 32, true, false};
     case kQ4_K: return {256, 144, 4, 32, true, true};
-    case kQ5_K: return {256, 176, 8, 32, true, true};
-    default: return {256, 210, 8, 16, false, true};  // kQ6_K
+    case kQ5_K: return {256, 176, 5, 32, true, true};
+    default: return {256, 210, 6, 16, false, true};  // kQ6_K
   }
 }
 
 inline uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t read_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 
-// The codes of one GGUF block (block_weights of them) as the packed layout stores them (4-bit: 0..15; 8-bit:
-// the int8 value's byte), and its scales: d[] (fp16 bits, or the k-quants' sub-block scales), m[] (fp16 bits,
+// The codes of one GGUF block (block_weights of them) as the file stores them (4-, 5-, 6-bit: 0..2^bits - 1,
+// Q5_0's and Q6_K's bias not subtracted; 8-bit: the int8 value's byte), and its scales: d[] (fp16 bits, or the k-quants' sub-block scales), m[] (fp16 bits,
 // or 6-bit mins), super_d / super_m (fp16 bits of D and -Dmin).
 struct DecodedBlock {
   uint8_t q[256];
@@ -77,10 +77,9 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
       const int at = type == kQ5_0 ? 2 : 4;
       const uint32_t qh = read_u32(b + at);
       const uint8_t* qs = b + at + 4;
-      const int bias = type == kQ5_0 ? 16 : 0;
       for (int j = 0; j < 16; ++j) {
-        out.q[j] = static_cast<uint8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - bias);
-        out.q[j + 16] = static_cast<uint8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+        out.q[j] = static_cast<uint8_t>((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        out.q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
       }
       out.d[0] = read_u16(b);
       if (type == kQ5_1) out.m[0] = read_u16(b + 2);
@@ -115,7 +114,7 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
         const int h = e / 128, t = e % 128;
         const uint8_t low = t < 64 ? ql[64 * h + t] & 0x0F : ql[64 * h + t - 64] >> 4;
         const uint8_t high = (qh[32 * h + t % 32] >> (2 * (t / 32))) & 3;
-        out.q[e] = static_cast<uint8_t>((low | (high << 4)) - 32);
+        out.q[e] = static_cast<uint8_t>(low | (high << 4));
       }
       for (int g = 0; g < 16; ++g) out.d[g] = static_cast<uint8_t>(b[192 + g]);  // int8 bits
       out.super_d = read_u16(b + 208);
@@ -138,24 +137,48 @@ template <int64_t type>
 void pack_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
                       const Packed& out) {
   constexpr Format f = format_of(type);
-  constexpr int64_t kChunks = f.bits == 4 ? 4 : 8, kScales = f.block_weights / f.scale_weights;
+  constexpr int64_t kChunks = chunks_per_block(f.bits), kScales = f.block_weights / f.scale_weights;
   constexpr int64_t kBlocks32 = f.block_weights / kBlock, kScaleSize = f.super ? 1 : 2;
   DecodedBlock rows[kGroup];
   for (int64_t r = 0; r < kGroup; ++r) {
     if (r < num_rows) decode_block<type>(src + r * row_bytes + i * f.block_bytes, rows[r]);
     else rows[r] = DecodedBlock{};  // padding rows: zero codes and scales
   }
+  // Each 32-weight block's chunks (quantized.h), byte (half h, row r, element e): per scale block, its nibble
+  // chunks, then for 5 and 6 bits its chunk of high bits; or the int8 chunks.
   const int64_t blocks32 = K / kBlock;
-  for (int64_t b = 0; b < kBlocks32; ++b) {  // each 32-weight block's chunks, byte (half h, row r, element e)
+  constexpr int kHighBits = f.bits == 8 ? 0 : f.bits - 4;
+  constexpr int64_t kNibbleChunks = f.scale_weights / 8;
+  for (int64_t b = 0; b < kBlocks32; ++b) {
     uint8_t* chunk = out.codes + (G * blocks32 + i * kBlocks32 + b) * kChunks * kChunkBytes;
-    for (int64_t c = 0; c < kChunks; ++c)
-      for (int64_t h = 0; h < 2; ++h)
-        for (int64_t r = 0; r < kGroup; ++r)
-          for (int64_t e = 0; e < 2; ++e) {
-            const uint8_t* q = rows[r].q + b * kBlock + e;
-            *chunk++ = f.bits == 4 ? static_cast<uint8_t>(q[2 * (4 * c + h)] | (q[2 * (4 * c + 2 + h)] << 4))
-                                   : q[2 * (2 * c + h)];
-          }
+    for (int64_t first = b * kBlock; first < (b + 1) * kBlock; first += f.scale_weights) {  // each scale block
+      if constexpr (f.bits == 8) {
+        for (int64_t c = 0; c < kChunks; ++c)
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < kGroup; ++r)
+              for (int64_t e = 0; e < 2; ++e) *chunk++ = rows[r].q[first + 2 * (2 * c + h) + e];
+      } else {
+        for (int64_t c = 0; c < kNibbleChunks; ++c)
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < kGroup; ++r)
+              for (int64_t e = 0; e < 2; ++e) {
+                const uint8_t* q = rows[r].q + first + 8 * c + 2 * h + e;  // nibble n: weight 8c + 4n + 2h + e
+                *chunk++ = static_cast<uint8_t>((q[0] & 0x0F) | ((q[4] & 0x0F) << 4));
+              }
+        if constexpr (kHighBits > 0) {
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < kGroup; ++r)
+              for (int64_t e = 0; e < 2; ++e) {
+                uint8_t byte = 0;
+                for (int64_t c = 0; c < kNibbleChunks; ++c)
+                  for (int64_t n = 0; n < 2; ++n)
+                    byte |= static_cast<uint8_t>((rows[r].q[first + 8 * c + 4 * n + 2 * h + e] >> 4)
+                                                 << (kHighBits * (2 * c + n)));
+                *chunk++ = byte;
+              }
+        }
+      }
+    }
   }
   for (int64_t s = 0; s < kScales; ++s) {
     const int64_t at = (G * (K / f.scale_weights) + i * kScales + s) * kGroup;
@@ -204,8 +227,8 @@ std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int
               "raw: the matrix's bytes, (rows, row bytes) uint8");
   const int64_t groups = (rows + kGroup - 1) / kGroup, blocks32 = K / kBlock;
   const auto options = torch::TensorOptions();
-  auto codes = torch::empty({groups, blocks32, f.bits == 4 ? 4 : 8, kChunkBytes},
-                            options.dtype(f.bits == 4 ? torch::kByte : torch::kChar));
+  auto codes = torch::empty({groups, blocks32, chunks_per_block(f.bits), kChunkBytes},
+                            options.dtype(f.bits == 8 ? torch::kChar : torch::kByte));
   const auto scale_type = !f.super ? torch::kHalf : (type == kQ6_K ? torch::kChar : torch::kByte);
   auto scales = torch::empty({groups, K / f.scale_weights, kGroup}, options.dtype(scale_type));
   auto offsets = f.offsets ? torch::empty({groups, blocks32, kGroup}, options.dtype(f.super ? torch::kByte : torch::kHalf))

@@ -1,19 +1,30 @@
 // The packed low-bit weight layouts shared by quantized_linear.cpp (few rows of x: integer dot products) and
 // quantized_tiles.cpp (many rows: weights dequantized a tile at a time, fp32 FMAs). The byte layout of the
-// codes is described in quantized_linear.cpp; serval/runner/quantization.py writes them.
+// codes is described below and in quantized_linear.cpp; serval/runner/quantization.py and gguf_repack.cpp
+// write them.
 //
-// Every layout stores codes (4-bit in nibbles, or int8) in groups of 16 output rows, and for each row and
-// scale block of 16 or 32 weights a scale d and, where the format has one, an offset m: w = d q + m. The
-// layouts differ only in how d and m are stored:
+// Every layout stores codes in groups of 16 output rows, and for each row and scale block of 16 or 32
+// weights a scale d and, where the format has one, an offset m: w = d q + m. Codes are 4-bit (nibbles), 5-
+// or 6-bit (nibbles plus a chunk of high bits), or int8, each at its file's width, so a matrix takes in
+// memory what it takes in its file:
 //   kQ4     4-bit codes, fp16 d and m per 32 (GGUF Q4_1)
 //   kQ4Sym  4-bit codes, fp16 d per 32, m = -8 d (Q4_0: w = d (q - 8))
-//   kQ8     int8 codes, fp16 d per 32, no m (Q8_0; Q5_0 as q - 16)
-//   kQ8Min  int8 codes, fp16 d and m per 32 (Q5_1)
+//   kQ8     int8 codes, fp16 d per 32, no m (Q8_0)
+//   kQ5Sym  5-bit codes, fp16 d per 32, w = d (q - 16) (Q5_0)
+//   kQ5     5-bit codes, fp16 d and m per 32 (Q5_1)
 //   kQ4K    4-bit codes; per 256 an fp16 d and -dmin, per 32 a 6-bit scale and min: d = D sc, m = -Dmin mn
 //           (Q4_K)
-//   kQ8K    the same with int8 codes (Q5_K)
-//   kQ8K16  int8 codes, per 256 an fp16 D, per 16 an int8 scale: d = D sc, no m (Q6_K as q - 32)
+//   kQ5K    the same with 5-bit codes (Q5_K)
+//   kQ6K    6-bit codes, per 256 an fp16 D, per 16 an int8 scale: d = D sc, w = d (q - 32) (Q6_K)
 // d and m are formed in fp32 exactly as ggml's dequantizers form them, so w is the file's weight bit for bit.
+//
+// A scale block's codes are 64-byte chunks. Byte i of a chunk is (half h, row r, element e) = (i / 32,
+// i % 32 / 2, i % 2). 4-, 5- and 6-bit layouts start with nibble chunks: chunk c's low nibble is weight
+// 2(4c + h) + e, its high nibble weight 2(4c + 2 + h) + e (nibble n of chunk c: weight 8c + 4n + 2h + e).
+// 5- and 6-bit layouts end each scale block with one chunk of high bits, byte i again (h, r, e): bits
+// H(2c + n) .. H(2c + n) + H - 1 are the high H bits (H = 1 or 2) of nibble n of chunk c. (A 5-bit scale
+// block is 32 weights: 4 nibble chunks and 32 x 16 high bits; a 6-bit one 16: 2 nibble chunks and 16 x 16 x 2.)
+// An int8 chunk c's byte is weight 2(2c + h) + e.
 #pragma once
 #include <limits>
 #include <type_traits>
@@ -29,17 +40,27 @@ constexpr int64_t kGroup = 16;        // output rows per packed group
 constexpr int64_t kSuperWeights = 256;  // weights per k-quant super-block
 constexpr int64_t kChunkBytes = 64;
 
-enum class Layout { kQ4, kQ4Sym, kQ8, kQ8Min, kQ4K, kQ8K, kQ8K16 };
+enum class Layout { kQ4, kQ4Sym, kQ8, kQ5Sym, kQ5, kQ4K, kQ5K, kQ6K };
 
 template <Layout L>
 struct Traits {
-  static constexpr bool kFourBit = L == Layout::kQ4 || L == Layout::kQ4Sym || L == Layout::kQ4K;
-  static constexpr bool kSuper = L == Layout::kQ4K || L == Layout::kQ8K || L == Layout::kQ8K16;
-  static constexpr bool kOffsets = L != Layout::kQ8 && L != Layout::kQ8K16;
-  static constexpr int64_t kScaleWeights = L == Layout::kQ8K16 ? 16 : 32;  // weights per d (and m)
-  static constexpr int kChunks = static_cast<int>(kScaleWeights / (kFourBit ? 8 : 4));  // 64-byte chunks per d
-  using SubScale = std::conditional_t<L == Layout::kQ8K16, int8_t, uint8_t>;
+  static constexpr int kCodeBits = L == Layout::kQ8 ? 8 : (L == Layout::kQ6K ? 6 : (L == Layout::kQ5Sym || L == Layout::kQ5 || L == Layout::kQ5K ? 5 : 4));
+  static constexpr bool kNibbles = kCodeBits < 8;  // 4-bit codes, or nibbles plus high bits
+  static constexpr int kHighBits = kNibbles ? kCodeBits - 4 : 0;
+  static constexpr bool kSuper = L == Layout::kQ4K || L == Layout::kQ5K || L == Layout::kQ6K;
+  // Whether y gets the offset term m sum(x_b). Q4_0's m = -8 d is one; Q5_0's and Q6_K's bias is subtracted
+  // from the codes instead (Q6_K's d changes every 16 weights, x's sums are per 32).
+  static constexpr bool kOffsets = L != Layout::kQ8 && L != Layout::kQ5Sym && L != Layout::kQ6K;
+  static constexpr int kCodeBias = L == Layout::kQ5Sym ? 16 : (L == Layout::kQ6K ? 32 : 0);
+  static constexpr bool kSignedCodes = L == Layout::kQ8 || kCodeBias != 0;  // once the bias is subtracted
+  static constexpr int64_t kScaleWeights = L == Layout::kQ6K ? 16 : 32;  // weights per d (and m)
+  static constexpr int kNibbleChunks = kNibbles ? static_cast<int>(kScaleWeights / 8) : 0;
+  static constexpr int kChunks = kNibbles ? kNibbleChunks + (kHighBits > 0) : static_cast<int>(kScaleWeights / 4);  // 64-byte chunks per d
+  using SubScale = std::conditional_t<L == Layout::kQ6K, int8_t, uint8_t>;
 };
+
+// 64-byte chunks per 32 weights of a group (the codes tensor's third dimension): 4, 5, 6 or 8.
+constexpr int64_t chunks_per_block(int code_bits) { return code_bits == 8 ? 8 : code_bits; }
 
 // f(std::integral_constant<Layout, L>{}) for the layout known at run time: the one switch from a matrix's
 // layout to a kernel compiled for it.
@@ -49,12 +70,13 @@ decltype(auto) with_layout(Layout layout, F&& f) {
     case Layout::kQ4: return f(std::integral_constant<Layout, Layout::kQ4>{});
     case Layout::kQ4Sym: return f(std::integral_constant<Layout, Layout::kQ4Sym>{});
     case Layout::kQ8: return f(std::integral_constant<Layout, Layout::kQ8>{});
-    case Layout::kQ8Min: return f(std::integral_constant<Layout, Layout::kQ8Min>{});
+    case Layout::kQ5Sym: return f(std::integral_constant<Layout, Layout::kQ5Sym>{});
+    case Layout::kQ5: return f(std::integral_constant<Layout, Layout::kQ5>{});
     case Layout::kQ4K: return f(std::integral_constant<Layout, Layout::kQ4K>{});
-    case Layout::kQ8K: return f(std::integral_constant<Layout, Layout::kQ8K>{});
-    case Layout::kQ8K16: break;
+    case Layout::kQ5K: return f(std::integral_constant<Layout, Layout::kQ5K>{});
+    case Layout::kQ6K: break;
   }
-  return f(std::integral_constant<Layout, Layout::kQ8K16>{});
+  return f(std::integral_constant<Layout, Layout::kQ6K>{});
 }
 
 // One packed matrix, as the kernels read it.
@@ -92,29 +114,67 @@ inline void block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, 
   }
 }
 
-// One scale block of one group as q[k][row] (k the weight's index in the block, row in the group): 4-bit
-// codes 0..15, 8-bit codes -128..127. Byte i of chunk c is (half h, row r, element e) = (i / 32, i % 32 / 2,
-// i % 2); 4-bit: its low nibble is weight 2(4c + h) + e, its high nibble weight 2(4c + 2 + h) + e; 8-bit: it
-// is weight 2(2c + h) + e.
+// One scale block of one group as q[k][row] (k the weight's index in the block, row in the group): the codes
+// less the layout's bias (the byte layout is at the top of this file).
 template <Layout L>
 inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeights][kGroup]) {
-  for (int c = 0; c < Traits<L>::kChunks; ++c) {
-    for (int h = 0; h < 2; ++h) {
-      for (int e = 0; e < 2; ++e) {
-        const uint8_t* bytes = block + c * kChunkBytes + h * 32 + e;
-        for (int r = 0; r < kGroup; ++r) {
-          const uint8_t byte = bytes[2 * r];
-          if constexpr (Traits<L>::kFourBit) {
-            q[2 * (4 * c + h) + e][r] = byte & 0x0F;
-            q[2 * (4 * c + 2 + h) + e][r] = byte >> 4;
-          } else {
-            q[2 * (2 * c + h) + e][r] = static_cast<int8_t>(byte);
+  using T = Traits<L>;
+  for (int h = 0; h < 2; ++h) {
+    for (int e = 0; e < 2; ++e) {
+      for (int r = 0; r < kGroup; ++r) {
+        const int at = h * 32 + 2 * r + e;
+        if constexpr (T::kNibbles) {
+          const uint8_t high = T::kHighBits ? block[T::kNibbleChunks * kChunkBytes + at] : 0;
+          for (int c = 0; c < T::kNibbleChunks; ++c) {
+            const uint8_t byte = block[c * kChunkBytes + at];
+            for (int n = 0; n < 2; ++n) {
+              const int nibble = n ? byte >> 4 : byte & 0x0F;
+              const int top = (high >> (T::kHighBits * (2 * c + n))) & ((1 << T::kHighBits) - 1);
+              q[8 * c + 4 * n + 2 * h + e][r] = static_cast<int16_t>((nibble | (top << 4)) - T::kCodeBias);
+            }
           }
+        } else {
+          for (int c = 0; c < T::kChunks; ++c) q[2 * (2 * c + h) + e][r] = static_cast<int8_t>(block[c * kChunkBytes + at]);
         }
       }
     }
   }
 }
+
+// The codes of one 32-byte half of nibble chunk c, its low (n = 0) or high (n = 1) nibbles, in bytes: the
+// nibbles joined with their high bits from `high`, the same half of the scale block's high-bit chunk, less
+// the layout's bias (signed bytes where Traits::kSignedCodes). AVX2's and AVX-512's 256-bit halves.
+#if defined(__AVX2__)
+template <Layout L>
+inline __m256i nibble_codes(__m256i nibbles, __m256i high, int c, int n) {
+  using T = Traits<L>;
+  __m256i q = _mm256_and_si256(n ? _mm256_srli_epi16(nibbles, 4) : nibbles, _mm256_set1_epi8(0x0F));
+  if constexpr (T::kHighBits > 0) {
+    // The bits H(2c + n).. of each byte to bits 4.. of the same byte (a 16-bit shift of at most 4 left or 3
+    // right never brings a neighbour's bit into the bits kept).
+    const int at = T::kHighBits * (2 * c + n);
+    const __m256i moved = at <= 4 ? _mm256_slli_epi16(high, 4 - at) : _mm256_srli_epi16(high, at - 4);
+    q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(((1 << T::kHighBits) - 1) << 4))));
+  }
+  if constexpr (T::kCodeBias != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(T::kCodeBias));
+  return q;
+}
+#endif
+#if defined(__AVX512BW__)
+template <Layout L>
+inline __m512i nibble_codes(__m512i nibbles, __m512i high, int c, int n) {
+  using T = Traits<L>;
+  __m512i q = _mm512_and_si512(n ? _mm512_srli_epi16(nibbles, 4) : nibbles, _mm512_set1_epi8(0x0F));
+  if constexpr (T::kHighBits > 0) {
+    const int at = T::kHighBits * (2 * c + n);
+    const __m512i moved = at <= 4 ? _mm512_slli_epi16(high, 4 - at) : _mm512_srli_epi16(high, at - 4);
+    // q | (moved & mask) in one instruction: truth table of (a, b, c) = (q, moved, mask) is a | (b & c).
+    q = _mm512_ternarylogic_epi32(q, moved, _mm512_set1_epi8(static_cast<char>(((1 << T::kHighBits) - 1) << 4)), 0xF8);
+  }
+  if constexpr (T::kCodeBias != 0) q = _mm512_sub_epi8(q, _mm512_set1_epi8(T::kCodeBias));
+  return q;
+}
+#endif
 
 // Rows of x quantized per block of 32 to Code (int16_t: the few-row path; int8_t: --batch-activations
 // int8), each block with scale d = max|x_b| / Code's largest value and its exact sum (the offset term).

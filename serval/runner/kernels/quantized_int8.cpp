@@ -80,7 +80,7 @@ BlockRows block_rows_for(int64_t rows) {
 template <Layout L>
 void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
-  static_assert(Traits<L>::kFourBit && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
+  static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
   const Int8Rows xq = quantize_rows<int8_t>(x, M, K);
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {

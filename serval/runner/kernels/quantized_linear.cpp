@@ -1,6 +1,6 @@
-// y = x @ W.T, W in 4-bit or 8-bit codes with a scale (and offset) per block of 32 or 16 weights: the exact
-// weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and k-quant (Q4_K/Q5_K/Q6_K) files (quantized.h lists the
-// layouts), read at 0.58-1.1 bytes a weight against bf16's 2. Up to 8 rows of x (decode) go through the
+// y = x @ W.T, W in 4-, 5-, 6- or 8-bit codes with a scale (and offset) per block of 32 or 16 weights: the
+// exact weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and k-quant (Q4_K/Q5_K/Q6_K) files (quantized.h lists the
+// layouts), read at 0.56-1.06 bytes a weight, as in the file, against bf16's 2. Up to 8 rows of x (decode) go through the
 // integer dot products here: VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the
 // portable build; batch-1 decode reads every weight once per token, so bytes and these instructions are its
 // cost. More rows go through quantized_tiles.cpp.
@@ -10,6 +10,8 @@
 // AVX2, two 256-bit registers of 8 rows each):
 //   codes  4-bit: (N/16, K/32, 4, 64) uint8: chunk c unpacks (low nibbles, then high ones; each 32-byte half
 //          widened to int16) into the operands of weight pairs 4c, 4c+1, 4c+2, 4c+3 of the block;
+//          5- and 6-bit: (N/16, K/32, 5 or 6, 64) uint8: the same nibble chunks, each nibble joined with its
+//          high bits from the scale block's last chunk (quantized.h) before it is widened;
 //          8-bit: (N/16, K/32, 8, 64) int8: chunk c widens into the operands of pairs 2c and 2c+1;
 //          operand word 2r + e holds row r's weight 2p + e of pair p;
 //   scales, offsets, super_scales: d and m of each row's scale block, stored as quantized.h's layout says.
@@ -50,6 +52,8 @@ inline __m512i broadcast_pair(const int16_t* p) {
 
 inline __m512i widen_u8(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
 inline __m512i widen_s8(__m256i bytes) { return _mm512_cvtepi8_epi16(bytes); }
+template <bool kSigned>
+inline __m512i widen(__m256i bytes) { return kSigned ? widen_s8(bytes) : widen_u8(bytes); }
 
 // 16 output rows (packed group G) for R rows of x. R is a template argument so that the accumulators are
 // registers; with few rows each row's block sum is split over independent chains, since one VPDPWSSD chain
@@ -60,10 +64,10 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
                 int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
-  constexpr int kOperands = T::kFourBit ? 4 : 2;  // per chunk
+  constexpr int kOperands = T::kNibbles ? 4 : 2;  // per chunk
+  constexpr int kCodeChunks = T::kNibbles ? T::kNibbleChunks : T::kChunks;  // the high-bit chunk aside
   constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
   const uint8_t* codes = w.codes + G * w.group_bytes;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < num_scale_blocks; ++s) {
@@ -71,17 +75,21 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
     __m512i dots[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < kChains; ++h) dots[r][h] = _mm512_setzero_si512();
-    for (int c = 0; c < T::kChunks; ++c) {
+    __m512i high = _mm512_setzero_si512();
+    if constexpr (T::kHighBits > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + kCodeChunks * kChunkBytes + kPrefetchBytes), _MM_HINT_T0);
+      high = _mm512_loadu_si512(block + kCodeChunks * kChunkBytes);
+    }
+    for (int c = 0; c < kCodeChunks; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(block + c * kChunkBytes + kPrefetchBytes), _MM_HINT_T0);
       const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
       __m512i operand[kOperands];
-      if constexpr (T::kFourBit) {
-        const __m512i lo = _mm512_and_si512(packed, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-        operand[0] = widen_u8(_mm512_castsi512_si256(lo));
-        operand[1] = widen_u8(_mm512_extracti64x4_epi64(lo, 1));
-        operand[2] = widen_u8(_mm512_castsi512_si256(hi));
-        operand[3] = widen_u8(_mm512_extracti64x4_epi64(hi, 1));
+      if constexpr (T::kNibbles) {
+        const __m512i lo = nibble_codes<L>(packed, high, c, 0), hi = nibble_codes<L>(packed, high, c, 1);
+        operand[0] = widen<T::kSignedCodes>(_mm512_castsi512_si256(lo));
+        operand[1] = widen<T::kSignedCodes>(_mm512_extracti64x4_epi64(lo, 1));
+        operand[2] = widen<T::kSignedCodes>(_mm512_castsi512_si256(hi));
+        operand[3] = widen<T::kSignedCodes>(_mm512_extracti64x4_epi64(hi, 1));
       } else {
         operand[0] = widen_s8(_mm512_castsi512_si256(packed));
         operand[1] = widen_s8(_mm512_extracti64x4_epi64(packed, 1));
@@ -116,35 +124,41 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
                 int64_t out_stride) {
   using T = Traits<L>;
   const int64_t K = w.K, num_scale_blocks = K / T::kScaleWeights, x_blocks = K / kBlock;
-  constexpr int kOperands = T::kFourBit ? 4 : 2;  // weight pairs per chunk
+  constexpr int kOperands = T::kNibbles ? 4 : 2;  // weight pairs per chunk
+  constexpr int kCodeChunks = T::kNibbles ? T::kNibbleChunks : T::kChunks;  // the high-bit chunk aside
   const uint8_t* codes = w.codes + G * w.group_bytes;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < num_scale_blocks; ++s) {
     const uint8_t* block = codes + s * T::kChunks * kChunkBytes;
     __m256i dots[R][2];
     for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+    __m256i high0 = _mm256_setzero_si256(), high1 = _mm256_setzero_si256();  // the high-bit chunk's halves
+    if constexpr (T::kHighBits > 0) {
+      simd::prefetch(block + kCodeChunks * kChunkBytes + kPrefetchBytes);
+      high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes));
+      high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes + 32));
+    }
     // Not unrolled: GCC's full unroll of the block kept all 16 products live and spilled them to the stack.
 #pragma GCC unroll 1
-    for (int c = 0; c < T::kChunks; ++c) {
+    for (int c = 0; c < kCodeChunks; ++c) {
       simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       __m256i operand[kOperands];  // 32 bytes of (row, element) pairs each: pair kOperands * c + o
       const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
       const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
-      if constexpr (T::kFourBit) {
-        operand[0] = _mm256_and_si256(half0, nibble);
-        operand[1] = _mm256_and_si256(half1, nibble);
-        operand[2] = _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble);
-        operand[3] = _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble);
+      if constexpr (T::kNibbles) {
+        operand[0] = nibble_codes<L>(half0, high0, c, 0);
+        operand[1] = nibble_codes<L>(half1, high1, c, 0);
+        operand[2] = nibble_codes<L>(half0, high0, c, 1);
+        operand[3] = nibble_codes<L>(half1, high1, c, 1);
       } else {
         operand[0] = half0;
         operand[1] = half1;
       }
       for (int o = 0; o < kOperands; ++o) {
         const __m128i low = _mm256_castsi256_si128(operand[o]), high = _mm256_extracti128_si256(operand[o], 1);
-        const __m256i rows0 = T::kFourBit ? _mm256_cvtepu8_epi16(low) : _mm256_cvtepi8_epi16(low);
-        const __m256i rows1 = T::kFourBit ? _mm256_cvtepu8_epi16(high) : _mm256_cvtepi8_epi16(high);
+        const __m256i rows0 = T::kSignedCodes ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low);
+        const __m256i rows1 = T::kSignedCodes ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, xq.codes.data() + (first_row + r) * K + s * T::kScaleWeights + 2 * (kOperands * c + o), 4);
@@ -226,30 +240,43 @@ bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 // The layout of a packed matrix from its tensors (quantized.h), each checked against x's width K.
 Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
                      const torch::Tensor& super, int64_t K) {
-  const bool four_bit = codes.scalar_type() == torch::kByte;
-  TORCH_CHECK(four_bit || codes.scalar_type() == torch::kChar, "codes: uint8 (4-bit) or int8 (8-bit)");
-  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / kBlock && codes.size(2) == (four_bit ? 4 : 8) &&
-              codes.size(3) == kChunkBytes, "codes vs x");
+  const bool nibbles = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK(nibbles || codes.scalar_type() == torch::kChar, "codes: uint8 (4-6 bits) or int8 (8 bits)");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / kBlock && codes.size(3) == kChunkBytes, "codes vs x");
+  const int64_t chunks = codes.size(2);
+  TORCH_CHECK(nibbles ? chunks >= 4 && chunks <= 6 : chunks == 8,
+              "codes: 4, 5 or 6 chunks a block of 32 (uint8), or 8 (int8)");
+  const int code_bits = nibbles ? static_cast<int>(chunks) : 8;
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(2) == kGroup, "scales' shape");
   const bool has_super = present(super), has_offsets = present(offsets);
   const int64_t scale_weights = scales.size(1) > 0 ? K / scales.size(1) : 0;
   Layout layout;
   if (!has_super) {
-    layout = four_bit ? (has_offsets ? Layout::kQ4 : Layout::kQ4Sym) : (has_offsets ? Layout::kQ8Min : Layout::kQ8);
+    TORCH_CHECK(code_bits != 6, "6-bit codes are Q6_K's: they need their super-block scales");
+    if (code_bits == 8) {
+      TORCH_CHECK(!has_offsets, "int8 codes take no offsets (Q8_0)");
+      layout = Layout::kQ8;
+    } else if (code_bits == 5) {
+      layout = has_offsets ? Layout::kQ5 : Layout::kQ5Sym;
+    } else {
+      layout = has_offsets ? Layout::kQ4 : Layout::kQ4Sym;
+    }
     TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!has_offsets || offsets.scalar_type() == torch::kHalf),
                 "fp16 scales and offsets");
   } else {
-    layout = four_bit ? Layout::kQ4K : (has_offsets ? Layout::kQ8K : Layout::kQ8K16);
+    TORCH_CHECK(code_bits != 8, "int8 codes have no k-quant layout");
+    layout = code_bits == 4 ? Layout::kQ4K : (code_bits == 5 ? Layout::kQ5K : Layout::kQ6K);
     TORCH_CHECK(K % kSuperWeights == 0, "k-quant layouts: K a multiple of 256");
     TORCH_CHECK(super.scalar_type() == torch::kHalf && super.dim() == 4 && super.size(0) == codes.size(0) &&
                 super.size(1) == K / kSuperWeights && super.size(2) == 2 && super.size(3) == kGroup,
                 "super-block scales: (groups, K / 256, 2, 16) fp16");
-    const auto sub_type = layout == Layout::kQ8K16 ? torch::kChar : torch::kByte;
+    const auto sub_type = layout == Layout::kQ6K ? torch::kChar : torch::kByte;
     TORCH_CHECK(scales.scalar_type() == sub_type && (!has_offsets || offsets.scalar_type() == torch::kByte),
                 "k-quant sub-block scales and mins: 8-bit");
+    TORCH_CHECK(layout == Layout::kQ6K ? !has_offsets : has_offsets,
+                "Q4_K and Q5_K codes need their mins; Q6_K's have none");
   }
-  TORCH_CHECK(layout != Layout::kQ4K || has_offsets, "k-quant 4-bit codes need their mins");
-  TORCH_CHECK(scale_weights == (layout == Layout::kQ8K16 ? 16 : 32) && scales.size(1) * scale_weights == K,
+  TORCH_CHECK(scale_weights == (layout == Layout::kQ6K ? 16 : 32) && scales.size(1) * scale_weights == K,
               "one scale per 32 weights (Q6_K's layout: per 16)");
   TORCH_CHECK(!has_offsets || (offsets.dim() == 3 && offsets.size(0) == codes.size(0) &&
                                offsets.size(1) == K / kBlock && offsets.size(2) == kGroup), "offsets' shape");

@@ -1,4 +1,4 @@
-// Packed 4-bit / 8-bit weights times many rows of x (prefill, large decode batches): each thread dequantizes
+// Packed 4- to 8-bit weights times many rows of x (prefill, large decode batches): each thread dequantizes
 // a slice of one group's weights (16 output rows x 256 of K) into fp32 in L1, then an FMA micro-kernel runs
 // every row of x over it, a few rows at a time with their accumulators in registers.
 //
@@ -51,18 +51,27 @@ inline void dequantize_block(const PackedMatrix& pm, int64_t G, int64_t s, float
                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256 dv[2] = {_mm256_load_ps(d), _mm256_load_ps(d + 8)};
   const __m256 mv[2] = {_mm256_load_ps(m), _mm256_load_ps(m + 8)};
-  for (int c = 0; c < T::kChunks; ++c) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256i raw = _mm256_shuffle_epi8(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32)), split);
-      if constexpr (T::kFourBit) {
-        const __m256i nibble = _mm256_set1_epi8(0x0F);
-        const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  if constexpr (T::kNibbles) {
+    __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // in the same byte order as `raw`
+    for (int h = 0; h < 2 && T::kHighBits > 0; ++h)
+      high[h] = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + T::kNibbleChunks * kChunkBytes + h * 32)), split);
+    for (int c = 0; c < T::kNibbleChunks; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_shuffle_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32)), split);
+        const __m256i low = nibble_codes<L>(raw, high[h], c, 0), top = nibble_codes<L>(raw, high[h], c, 1);
         for (int e = 0; e < 2; ++e) {
-          store_weight_rows<false>(low, 8 * e, dv, mv, w + (2 * (4 * c + h) + e) * kGroup);
-          store_weight_rows<false>(high, 8 * e, dv, mv, w + (2 * (4 * c + 2 + h) + e) * kGroup);
+          store_weight_rows<T::kSignedCodes>(low, 8 * e, dv, mv, w + (2 * (4 * c + h) + e) * kGroup);
+          store_weight_rows<T::kSignedCodes>(top, 8 * e, dv, mv, w + (2 * (4 * c + 2 + h) + e) * kGroup);
         }
-      } else {
+      }
+    }
+  } else {
+    for (int c = 0; c < T::kChunks; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_shuffle_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32)), split);
         for (int e = 0; e < 2; ++e) store_weight_rows<true>(raw, 8 * e, dv, mv, w + (2 * (2 * c + h) + e) * kGroup);
       }
     }
@@ -186,14 +195,21 @@ inline void dequantize_block_bf16(const PackedMatrix& pm, int64_t G, int64_t s, 
   const __m512 dr[2] = {_mm512_permutexvar_ps(rows_low, dv), _mm512_permutexvar_ps(rows_high, dv)};
   const __m512 mr[2] = {_mm512_permutexvar_ps(rows_low, mv), _mm512_permutexvar_ps(rows_high, mv)};
   const uint8_t* block = pm.codes + G * pm.group_bytes + s * T::kChunks * kChunkBytes;
-  for (int c = 0; c < T::kChunks; ++c) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32));
-      if constexpr (T::kFourBit) {  // low nibbles: pair 4c + h; high nibbles: pair 4c + 2 + h
-        const __m256i nibble = _mm256_set1_epi8(0x0F);
-        pairs[4 * c + h] = bf16_pairs<false>(_mm256_and_si256(raw, nibble), dr, mr);
-        pairs[4 * c + 2 + h] = bf16_pairs<false>(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), dr, mr);
-      } else {
+  if constexpr (T::kNibbles) {
+    __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2 && T::kHighBits > 0; ++h)
+      high[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + T::kNibbleChunks * kChunkBytes + h * 32));
+    for (int c = 0; c < T::kNibbleChunks; ++c) {
+      for (int h = 0; h < 2; ++h) {  // low nibbles: pair 4c + h; high nibbles: pair 4c + 2 + h
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32));
+        pairs[4 * c + h] = bf16_pairs<T::kSignedCodes>(nibble_codes<L>(raw, high[h], c, 0), dr, mr);
+        pairs[4 * c + 2 + h] = bf16_pairs<T::kSignedCodes>(nibble_codes<L>(raw, high[h], c, 1), dr, mr);
+      }
+    }
+  } else {
+    for (int c = 0; c < T::kChunks; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + h * 32));
         pairs[2 * c + h] = bf16_pairs<true>(raw, dr, mr);
       }
     }

@@ -129,21 +129,21 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q6_codes(blocks: torch.Tensor) -> torch.Tensor:
-    # (num_blocks, 256) int8 q - 32 of Q6_K (block: ql (128) | qh (64) | scales (16 x int8) | d (f16)).
+    # (num_blocks, 256) uint8 codes q (0..63; the weight is d sc (q - 32)) of Q6_K (block: ql (128) | qh (64) | scales (16 x int8) | d (f16)).
     # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]: its low nibbles are elements 0-63,
     # high nibbles 64-127, and the 2-bit pairs of qh (bits 0-1, 2-3, 4-5, 6-7) top elements 0-31, 32-63, ...
     ql = blocks[:, :128].reshape(-1, 2, 1, 64)
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 128)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 2, 128)
-    return ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, QK_K)
+    return (low | (high << 4)).reshape(-1, QK_K)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     # x = d * sc_g * (q - 32), one int8 scale sc_g per 16 elements
     d = _f16(blocks, 208)
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    q = _q6_codes(blocks).float().reshape(-1, 16, 16)
+    q = (_q6_codes(blocks).float() - 32).reshape(-1, 16, 16)
     return ((d * scales).unsqueeze(-1) * q).reshape(-1, QK_K)
 
 
@@ -215,27 +215,27 @@ def block_codes(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
         return BlockCodes(4, codes(_nibbles(blocks[:, 2:])), f16(0))
     if qtype == Q.Q4_1:
         return BlockCodes(4, codes(_nibbles(blocks[:, 4:])), f16(0), f16(2))
-    if qtype == Q.Q5_0:  # 5-bit codes as int8 q - 16
-        return BlockCodes(8, codes(_q5_codes(blocks, 2).to(torch.int8) - 16), f16(0))
+    if qtype == Q.Q5_0:  # w = d (q - 16): no offsets, so the kernels subtract the bias 16
+        return BlockCodes(5, codes(_q5_codes(blocks, 2)), f16(0))
     if qtype == Q.Q5_1:
-        return BlockCodes(8, codes(_q5_codes(blocks, 4).to(torch.int8)), f16(0), f16(2))
+        return BlockCodes(5, codes(_q5_codes(blocks, 4)), f16(0), f16(2))
     if qtype in (Q.Q4_K, Q.Q5_K):  # d = D sc, m = -Dmin mn
         scales, mins = _k_scales_mins(blocks[:, 4:16])
         five_bit = qtype == Q.Q5_K
         q = _k_codes(blocks, five_bit)
         super_scales = torch.stack([f16(0), -f16(2)], dim=-1)  # (rows, K/256, 2)
         return BlockCodes(
-            8 if five_bit else 4,
-            codes(q.to(torch.int8) if five_bit else q),
+            5 if five_bit else 4,
+            codes(q),
             scales.reshape(per_row),
             mins.reshape(per_row),
             super_scales,
         )
-    if qtype == Q.Q6_K:  # d = D sc per 16 weights, codes q - 32
+    if qtype == Q.Q6_K:  # d = D sc per 16 weights, w = d (q - 32)
         d = f16(208)
         super_scales = torch.stack([d, torch.zeros_like(d)], dim=-1)
         scales = blocks[:, 192:208].contiguous().view(torch.int8).reshape(per_row)
-        return BlockCodes(8, codes(_q6_codes(blocks)), scales, None, super_scales)
+        return BlockCodes(6, codes(_q6_codes(blocks)), scales, None, super_scales)
     raise UnsupportedQuantizationError(f"{qtype.name} has no packed form")
 
 

@@ -238,9 +238,8 @@ def _packed_from_blocks(
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
         codes, scales, offsets, super_scales = repack(raw, int(qtype), rows, cols)
-        return PackedWeight(
-            4 if codes.dtype == torch.uint8 else 8, rows, codes, scales, offsets, super_scales
-        )
+        bits = codes.shape[2] if codes.dtype == torch.uint8 else 8  # 4, 5 or 6 chunks a block: the width
+        return PackedWeight(bits, rows, codes, scales, offsets, super_scales)
     step = max(GROUP, _PACK_CHUNK_WEIGHTS // cols // GROUP * GROUP)
     if heads is not None or rows <= step:  # un-permuting moves rows across the whole matrix
         codes = block_codes(data, qtype, shape)

@@ -2,8 +2,9 @@
 
 GGUF files are first turned into the same dict (loader/gguf.py), so every model class sees one vocabulary.
 A multimodal checkpoint (Qwen2-VL, Qwen2.5-VL) adds the shape of its vision tower (VisionArch) and M-RoPE's
-sections; its language model is read from `text_config` when the config nests it (transformers 5 writes
-it so), from the top level otherwise (the released checkpoints).
+sections, or (Qwen2-Audio) the shape of its audio encoder (AudioArch); its language model is read from
+`text_config` when the config nests it (transformers 5 writes it so), from the top level otherwise (the
+released Qwen2-VL checkpoints).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ArchConfig:
     # M-RoPE (Qwen2-VL): how many rotary frequencies follow each position axis (t, h, w, t, ...); empty: 1-D
     mrope_section: tuple[int, ...] = ()
     vision: VisionArch | None = None  # the vision tower of a multimodal model
+    audio: AudioArch | None = None  # the audio encoder of a multimodal model
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ArchConfig:
@@ -48,7 +50,12 @@ class ArchConfig:
             raise ValueError("config.json names no architecture ('architectures' is empty)")
         architecture = architectures[0]
         if isinstance(cfg.get("text_config"), dict):  # the top level wins (tie_word_embeddings, model_type)
-            cfg = {**cfg["text_config"], **cfg}
+            text = cfg["text_config"]
+            if architecture == "Qwen2AudioForConditionalGeneration":
+                # NOTE: the released Qwen2-Audio config.json lists only what differs from Qwen2Config's
+                # defaults (no hidden_size, no layer count): transformers fills in the rest, so do we.
+                text = {**_QWEN2_CONFIG_DEFAULTS, **text}
+            cfg = {**text, **cfg}
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
@@ -71,13 +78,59 @@ class ArchConfig:
             rope_scaling=_rope_scaling(cfg),
             mrope_section=_mrope_section(cfg),
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
+            audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
         )
 
 
 # Architectures whose language model is Qwen2's decoder (q/k/v biases).
 _QWEN2_DECODERS = frozenset(
-    {"Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+    {
+        "Qwen2ForCausalLM",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2AudioForConditionalGeneration",
+    }
 )
+# transformers' Qwen2Config defaults (the released Qwen2-Audio text_config relies on them).
+_QWEN2_CONFIG_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AudioArch:
+    """A Qwen2-Audio encoder: Whisper's (two conv1d over log-mel frames, the second of stride 2, learned
+    positions, pre-norm transformer layers) with an average pool of 2 and a linear projection after."""
+
+    num_mel_bins: int
+    num_layers: int
+    num_heads: int
+    d_model: int  # the encoder's width
+    ffn_dim: int
+    activation: str  # "gelu"
+    max_source_positions: int  # rows after conv2: a chunk is twice this many mel frames
+    audio_token_id: int  # the prompt's <|AUDIO|> placeholder
+
+    @property
+    def chunk_frames(self) -> int:
+        """The mel frames the encoder reads: every clip is padded (or cut) to this many."""
+        return 2 * self.max_source_positions
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> AudioArch:
+        a = cfg["audio_config"]  # transformers' Qwen2AudioEncoderConfig defaults where a key is missing
+        return cls(
+            num_mel_bins=int(a.get("num_mel_bins", 128)),
+            num_layers=int(a.get("encoder_layers", 32)),
+            num_heads=int(a.get("encoder_attention_heads", 20)),
+            d_model=int(a.get("d_model", 1280)),
+            ffn_dim=int(a.get("encoder_ffn_dim", 5120)),
+            activation=str(a.get("activation_function", "gelu")),
+            max_source_positions=int(a.get("max_source_positions", 1500)),
+            audio_token_id=int(cfg.get("audio_token_index", cfg.get("audio_token_id", 151646))),
+        )
 
 
 @dataclass(frozen=True)

@@ -71,12 +71,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        # Tensor parallelism (runner/parallel/): sums each block half's partial output over the ranks.
+        self.all_reduce = None
 
     def forward(self, x, rope, k_cache, v_cache, meta, lora=None):
         # x is the residual stream, kept in fp32: these models carry outlier activations in the tens of
         # thousands (attention sinks), where bf16's 8-bit mantissa loses whole units and greedy output drifts.
-        x = x.add_(self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, lora))
-        return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
+        x = x.add_(self._reduced(self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, lora)))
+        return x.add_(self._reduced(self.mlp(self.post_attention_layernorm(x), lora)))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is None:
+            return partial
+        # Summed in fp32, as the residual stream it joins: a bf16 sum would round each rank's share.
+        total = partial.float()
+        self.all_reduce(total)
+        return total
 
 
 # Hugging Face parameter suffix -> (our fused parameter, which shard of it).
@@ -186,6 +196,14 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
         self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size, int8_batch_activations)
+
+    def use_tensor_parallel(self, all_reduce) -> None:
+        """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP
+        slice, and each block half's output is all-reduced. NOTE: the native DecodeStack runs every layer in
+        one call, with no point to all-reduce in between, so decode steps take the per-layer path."""
+        for layer in self.layers:
+            layer.all_reduce = all_reduce
+        self.decode_stack = None
 
     def make_decode_stack(
         self,

@@ -64,6 +64,8 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         m = vision.spatial_merge_size
         previous_end = 0
         for item in items:
+            if item.pixel_values is None:
+                raise ValueError("a media item is not an image or video: this model reads only those")
             t, h, w = item.grid
             if not (previous_end <= item.offset and item.end <= len(prompt_token_ids)):
                 raise ValueError(

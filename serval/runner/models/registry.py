@@ -21,6 +21,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
         "serval.runner.models.qwen2_vl",
         "Qwen2VLForConditionalGeneration",
     ),
+    "Qwen2AudioForConditionalGeneration": (
+        "serval.runner.models.qwen2_audio",
+        "Qwen2AudioForConditionalGeneration",
+    ),
 }
 
 

@@ -83,9 +83,16 @@ class MediaLoader:
             decoded = await self.decode(part, part.sources[0], bounds)
         digest = content_hash(part.kind, decoded)
         loop = asyncio.get_running_loop()
-        # The encoder's input (normalized patches: a few array passes) in the decoding threads too.
-        prepared = await loop.run_in_executor(self._executor, processor.encoder_input, decoded, digest)
-        return MediaItem(part.kind, decoded, digest, processor.num_tokens(decoded), part.param, prepared)
+        try:
+            num_tokens = processor.num_tokens(decoded)
+            # The encoder's input (normalized patches, log-mel features: a few array passes) in the
+            # decoding threads too.
+            prepared = await loop.run_in_executor(self._executor, processor.encoder_input, decoded, digest)
+        except ServingError:
+            raise
+        except ValueError as e:  # the model cannot take this item (e.g. a clip too short for one row)
+            raise MediaError(f"{part.param}: {e}", part.param) from None
+        return MediaItem(part.kind, decoded, digest, num_tokens, part.param, prepared)
 
     async def decode(self, part: MediaPart, source: MediaSource, bounds: ResizeBounds | None) -> Decoded:
         """One file of a part fetched and decoded (bounds: None keeps its size)."""

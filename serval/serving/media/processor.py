@@ -7,7 +7,7 @@ anything is fetched (parts.check_accepted).
 
 With a processor, a chat request goes: parts parsed (api/media_parts.py) -> loaded (loader.py: fetched,
 decoded, resized, hashed, counted; off the event loop) -> the template rendered with each user message's
-media placed before its text (client_text.Segment.num_media) -> each item's run of placeholder ids spliced
+media placed where its content list puts them (client_text.Segment.num_media) -> each item's run of placeholder ids spliced
 into the prompt ids (`place_media`), which gives its MediaSpan. The GenerationRequest carries the spans:
 the model task hands them to the engine so that (1) the runner's encoder runs once per item and its
 embeddings replace the run's rows, and (2) the prefix cache folds each span's content hash into the hash of
@@ -71,6 +71,11 @@ class MediaProcessor(Protocol):
         """The token ids of the item's run, `item.num_tokens` long (the encoder's rows replace them)."""
         ...
 
+    def prompt_placeholder(self, kind: MediaKind) -> list[int]:
+        """The ids the model's chat template writes for one item of `kind` (its run with one placeholder):
+        what a raw prompt holds where an item goes (the offline LLM's multi_modal_data)."""
+        ...
+
     def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput | None:
         """The encoder's input of a decoded item (pixel patches, ...), its offset counted from the start of
         the item's run; called in the loader's decoding threads."""
@@ -81,6 +86,7 @@ class MediaProcessor(Protocol):
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
     "Qwen2_5_VLForConditionalGeneration": ("serval.serving.media.qwen2_vl", "Qwen2VLProcessor"),
+    "Qwen2AudioForConditionalGeneration": ("serval.serving.media.qwen2_audio", "Qwen2AudioProcessor"),
 }
 
 

@@ -100,6 +100,11 @@ class Qwen2VLProcessor:
         pad = c.video_token_id if item.kind is MediaKind.VIDEO else c.image_token_id
         return [c.vision_start_token_id, *[pad] * (item.num_tokens - 2), c.vision_end_token_id]
 
+    def prompt_placeholder(self, kind: MediaKind) -> list[int]:
+        c = self.config
+        pad = c.video_token_id if kind is MediaKind.VIDEO else c.image_token_id
+        return [c.vision_start_token_id, pad, c.vision_end_token_id]
+
     def encoder_input(self, decoded: Decoded, content_hash: bytes) -> MediaInput:
         """The item's encoder input; its offset is within the item's run (the rows after vision_start)."""
         c = self.config
