@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 from serval.cluster.config import ReplicaConfig
 from serval.cluster.wire import LoraSource, ReplicaBatch, ReplicaInfo, ReplicaReport, block_hashes
-from serval.engine.client import Event, RequestStream
-from serval.engine.engine import check_prompt
+from serval.engine.client import Event, RequestStream, check_admissible
 from serval.engine.lora import LoraCard, UnknownLoraError, check_can_add
 from serval.engine.messages import EngineDeadError, EngineStats, FailureKind, NewRequest, RequestFailed
 from serval.engine.outputs import RequestOutput
@@ -81,17 +80,7 @@ class ReplicaClient:
         replica (its waiting queue full) arrives as a RequestFailed on the streams."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
-        for request in requests:
-            check_prompt(len(request.prompt_token_ids), request.params, self.max_model_len)
-            if request.lora_name is not None and request.lora_name not in self.loras:
-                raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
-        ids = [request.request_id for request in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be distinct")
-        if len(requests) > self._max_queue_len:
-            raise ValueError(
-                f"{len(requests)} sequences at once can never be admitted: at most {self._max_queue_len} may wait"
-            )
+        ids = check_admissible(requests, self.max_model_len, self.loras, self._max_queue_len)
         in_use = [request_id for request_id in ids if request_id in self._calls]
         if in_use:
             raise ValueError(f"request id {in_use[0]!r} is already in use")

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from serval.config import EngineConfig
 from serval.engine.constraint import TokenConstraint
@@ -164,20 +164,9 @@ class EngineClient:
         sequences waits on one queue instead of one per sequence; None: a queue per stream."""
         if self._stopped:  # checked again under the lock, as the command is queued
             raise EngineDeadError("the engine has stopped")
-        for request in requests:
-            # A ValueError with the numbers.
-            check_prompt(len(request.prompt_token_ids), request.params, self.max_model_len)
-            if request.lora_name is not None and request.lora_name not in self.loras:
-                # Checked again on the engine thread: an unload may get there first (also UnknownLoraError).
-                raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
-        ids = [request.request_id for request in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be distinct")
+        # The LoRA check is made again on the engine thread: an unload may get there first.
         max_queue_len = self._max_queue_len
-        if len(requests) > max_queue_len:
-            raise ValueError(
-                f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
-            )
+        ids = check_admissible(requests, self.max_model_len, self.loras, max_queue_len)
         streams = [RequestStream(self, request_id, shared_queue) for request_id in ids]
         with self._lock:
             if self._stopped:
@@ -395,6 +384,26 @@ class EngineClient:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
+
+
+def check_admissible(
+    requests: list[NewRequest], max_model_len: int, loras: Mapping[str, object], max_queue_len: int
+) -> list[str]:
+    """The checks of add_requests that need no engine state, shared by every client with its interface
+    (cluster/client.py's too): ValueError (a prompt the context can't hold, with the numbers; ids not
+    distinct; more requests than the queue could ever hold) or UnknownLoraError. Returns the request ids."""
+    for request in requests:
+        check_prompt(len(request.prompt_token_ids), request.params, max_model_len)
+        if request.lora_name is not None and request.lora_name not in loras:
+            raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
+    ids = [request.request_id for request in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids must be distinct")
+    if len(requests) > max_queue_len:
+        raise ValueError(
+            f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
+        )
+    return ids
 
 
 def _snapshot(engine: Engine) -> EngineStats:
