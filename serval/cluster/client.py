@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 from serval.cluster.config import ReplicaConfig
 from serval.cluster.wire import LoraSource, ReplicaBatch, ReplicaInfo, ReplicaReport, block_hashes
-from serval.engine.client import Event, RequestStream, check_admissible
+from serval.engine.client import check_admissible
 from serval.engine.lora import LoraCard, UnknownLoraError, check_can_add
 from serval.engine.messages import EngineDeadError, EngineStats, FailureKind, NewRequest, RequestFailed
 from serval.engine.outputs import RequestOutput
+from serval.engine.request_stream import Event, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ReplicaClient:
         if not call.open_ids and call.task is not None and not call.task.done():
             call.task.cancel()
 
-    def _forget(self, request_id: str) -> None:
+    def forget_stream(self, request_id: str) -> None:
         # RequestStream.close: its events have no reader any more. An unfinished one is aborted right after
         # (abort needs its call then); a finished one is done with.
         call = self._calls.get(request_id)

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator
 
 from serval.cluster.wire import ReplicaBatch, ReplicaInfo, ReplicaReport
 from serval.config import EngineConfig
-from serval.engine.client import EngineClient, Event
+from serval.engine.client import EngineClient
 from serval.engine.lora import LoraConflictError, LoraError, UnknownLoraError
 from serval.engine.messages import EngineDeadError, FailureKind, QueueFullError, RequestFailed
+from serval.engine.request_stream import Event
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from serval.serving.lora import LoraAdapters
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.loader import MediaLoader
 from serval.serving.media.parts import MediaKind, MediaPart, check_accepted
-from serval.serving.media.processor import MediaItem, MediaProcessor, MediaSpan, place_media
+from serval.serving.media.processor import MediaItem, MediaProcessor, MediaSpan
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
+from serval.serving.segment_encoding import answer_start, encode_segments
 from serval.serving.stream import Completion, Event, fold
 from serval.serving.structured import GrammarCompiler
 from serval.serving.text_threads import TextThreads, num_message_chars
@@ -198,7 +199,9 @@ class Frontend:
             prompt.template_kwargs, spans,
         )  # fmt: skip
         thinks = template_thinks(self.template_source)
-        starts_in_reasoning = thinks and prompt_opens_reasoning(_tail(segments, continue_final_message))
+        starts_in_reasoning = thinks and prompt_opens_reasoning(
+            answer_start(segments, continue_final_message)
+        )
         reasoning = "open" if starts_in_reasoning else ("optional" if thinks else "none")
         spec = grammar_spec(options, self.tool_format, reasoning)
         param = "tools" if options.uses_tools else "response_format"
@@ -266,26 +269,7 @@ class Frontend:
     def _encode(
         self, segments: list[Segment], media: list[MediaItem] | None = None
     ) -> tuple[list[int], int, tuple[MediaSpan, ...]]:
-        """The prompt ids, how many of them the explicit-cache prefix covers (0 without one), and the
-        media items' runs placed where the template put their messages (serving/media/processor.py)."""
-        token_ids: list[int] = []
-        num_prefix_tokens = 0
-        slots: list[int] = []  # positions in token_ids before which the next media item's run goes
-        for segment in segments:
-            slots.extend([len(token_ids)] * segment.num_media)
-            if segment.is_client_text:
-                token_ids.extend(self.tokenizer.encode_plain(segment.text))
-            else:
-                token_ids.extend(self.tokenizer.encode(segment.text))
-            if segment.ends_cache_prefix:
-                num_prefix_tokens = len(token_ids)
-        if not slots and not media:
-            return token_ids, num_prefix_tokens, ()
-        assert self.media_processor is not None, "check_media refuses media without a processor"
-        try:
-            return place_media(token_ids, slots, media or [], self.media_processor, num_prefix_tokens)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "messages") from e
+        return encode_segments(segments, self.tokenizer, media or [], self.media_processor)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size
@@ -413,10 +397,3 @@ class Frontend:
             request_id, prompts, params, param, return_logprobs=return_logprobs, output_plan=output_plan
         )
         return await self.result(request, timeout)
-
-
-def _tail(segments: list[Segment], continue_final_message: bool) -> str:
-    """The prompt text where the answer begins: after the last client text (from it, when continuing it)."""
-    client = [i for i, segment in enumerate(segments) if segment.is_client_text]
-    start = (client[-1] if continue_final_message else client[-1] + 1) if client else 0
-    return "".join(segment.text for segment in segments[start:])
