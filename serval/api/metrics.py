@@ -89,10 +89,14 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.prompt_tokens = Counter(
-            "serval_prompt_tokens", "Prompt tokens processed.", registry=self.registry
+            "serval_prompt_tokens",
+            "Prompt tokens of finished requests (their usage).",
+            registry=self.registry,
         )
         self.generation_tokens = Counter(
-            "serval_generation_tokens", "Tokens generated.", registry=self.registry
+            "serval_generation_tokens",
+            "Completion tokens of finished requests (their usage); vllm:generation_tokens counts them as they come.",
+            registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "serval_time_to_first_token_seconds", "Time from arrival to the first generated token.",
