@@ -17,6 +17,7 @@ from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
+from serval.runner.loader.gguf_pack import NativeRepack
 from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.media import MediaInput, MediaPrompt, media_step
@@ -142,7 +143,8 @@ class ModelRunner:
             # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
             release_packed_dense=use_quantized,
             packable_names=checkpoint.packable_names,
-            repack=None if kernels is None else kernels.pack_gguf_blocks,
+            repack=None if kernels is None else NativeRepack.of(kernels),
+            block_types=checkpoint.block_types,
         )
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(

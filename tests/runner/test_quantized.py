@@ -95,12 +95,12 @@ def _file_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
     "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q6_K], ids=lambda t: t.name
 )
 def test_large_matrices_are_packed_in_slices_to_the_same_form(qtype, monkeypatch):
-    from serval.runner.loader import gguf as gguf_loader
+    from serval.runner.loader import gguf_pack
 
     raw, _ = _file_matrix(qtype, 40, 512, seed=2)
     whole = pack_block_codes(block_codes(raw, qtype, (40, 512)))
-    monkeypatch.setattr(gguf_loader, "_PACK_CHUNK_WEIGHTS", 16 * 512)  # slices of 16, 16 and 8 rows
-    sliced = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads=None)
+    monkeypatch.setattr(gguf_pack, "_PACK_CHUNK_WEIGHTS", 16 * 512)  # slices of 16, 16 and 8 rows
+    sliced = gguf_pack.packed_from_blocks(raw, qtype, (40, 512), heads=None)
     for field in ("codes", "scales", "offsets", "super_scales"):
         assert torch.equal(getattr(sliced, field), getattr(whole, field)), field
     assert sliced.out_features == 40
@@ -109,11 +109,11 @@ def test_large_matrices_are_packed_in_slices_to_the_same_form(qtype, monkeypatch
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("heads", [None, 4])  # plain, and q/k rows un-permuted for 4 heads
 def test_native_packing_of_file_bytes_equals_the_tensor_ops(kernels, qtype, heads):
-    from serval.runner.loader import gguf as gguf_loader
+    from serval.runner.loader import gguf_pack
 
     raw, _ = _file_matrix(qtype, 40, 512, seed=5)
-    reference = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads)
-    native = gguf_loader._packed_from_blocks(raw, qtype, (40, 512), heads, kernels.pack_gguf_blocks)
+    reference = gguf_pack.packed_from_blocks(raw, qtype, (40, 512), heads)
+    native = gguf_pack.packed_from_blocks(raw, qtype, (40, 512), heads, gguf_pack.NativeRepack.of(kernels))
     assert (native.bits, native.out_features) == (reference.bits, reference.out_features)
     for field in ("codes", "scales", "offsets", "super_scales"):
         got, expected = getattr(native, field), getattr(reference, field)

@@ -119,6 +119,38 @@ def test_formats_match_transformers_dense_and_packed(model_file, kernels, monkey
     assert _greedy(packed, PROMPTS, max_tokens=16) == _greedy(dense, PROMPTS, max_tokens=16)
 
 
+def test_fused_shards_are_packed_straight_into_one_matrix(model_file, kernels, monkeypatch):
+    """A fused matrix whose shards share one block type (gate/up; q/k/v too, but for Q4_K_M's Q6_K v) is
+    packed shard by shard into its own buffers, byte for byte what packing each alone and joining gives."""
+    from serval.runner.loader import gguf
+    from serval.runner.loader.packer import LowBitPacker
+
+    path, _ = model_file
+    if path.endswith(("F16.gguf", "BF16.gguf")):
+        pytest.skip("16-bit matrices are kept as stored: nothing to pack")
+    monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
+    planned: list[dict[str, int]] = []
+    plan_joined = LowBitPacker.plan_joined
+
+    def recording(self, block_types, empty):
+        plan_joined(self, block_types, empty)
+        planned.append(dict(self.joinable))
+
+    monkeypatch.setattr(LowBitPacker, "plan_joined", recording)
+    joined = _engine(path, "auto").runner.model
+    expected = {"layers.0.mlp.gate_up_proj.weight", "layers.1.mlp.gate_up_proj.weight"}
+    if not path.endswith("Q4_K_M.gguf"):
+        expected |= {"layers.0.self_attn.qkv_proj.weight", "layers.1.self_attn.qkv_proj.weight"}
+    assert len(planned) == 1 and expected <= set(planned[0].keys())
+    monkeypatch.setattr(gguf, "block_tensor_types", lambda reader: {})  # every shard packed alone
+    apart = _engine(path, "auto").runner.model
+    for name in expected:
+        module = name.removesuffix(".weight")
+        one, other = joined.get_submodule(module).packed, apart.get_submodule(module).packed
+        for field in ("codes", "scales", "offsets", "super_scales"):
+            assert torch.equal(getattr(one, field), getattr(other, field)), (name, field)
+
+
 def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, kernels, monkeypatch):
     """--batch-activations int8: prefill (more than 8 rows) rounds x to int8 per block over 4-bit codes;
     the logits stay close to the exact path's."""

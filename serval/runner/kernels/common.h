@@ -86,4 +86,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].
 std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K);
+std::vector<torch::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K);
+void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<torch::Tensor> out,
+                           int64_t first_group);
 void register_decode_stack(pybind11::module& m);

@@ -190,5 +190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("super_scales"),
         pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
+  m.def("gguf_packed_buffers", &gguf_packed_buffers, "the empty packed buffers of a GGUF type's matrix", release());
+  m.def("pack_gguf_blocks_into", &pack_gguf_blocks_into,
+        "a GGUF block-quantized matrix's bytes, packed into given buffers from a group on", release());
   register_decode_stack(m);
 }

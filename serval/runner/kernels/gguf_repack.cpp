@@ -215,16 +215,13 @@ void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
 
 }  // namespace
 
-// raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes. Returns [codes, scales, offsets,
-// super_scales] as PackedWeight holds them (an absent one empty), rows padded to whole groups of 16.
-std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K) {
+// The four buffers (codes, scales, offsets, super_scales) of `rows` rows of a `type` matrix K wide, allocated
+// and unfilled, rows padded to whole groups of 16; an absent one is empty.
+std::vector<torch::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K) {
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K ||
               type == kQ5_K || type == kQ6_K, "GGML type ", type, " has no packed form");
   const Format f = format_of(type);
   TORCH_CHECK(K % f.block_weights == 0, "K: whole blocks of ", f.block_weights);
-  const int64_t row_bytes = K / f.block_weights * f.block_bytes;
-  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.is_contiguous() && raw.numel() == rows * row_bytes,
-              "raw: the matrix's bytes, (rows, row bytes) uint8");
   const int64_t groups = (rows + kGroup - 1) / kGroup, blocks32 = K / kBlock;
   const auto options = torch::TensorOptions();
   auto codes = torch::empty({groups, blocks32, chunks_per_block(f.bits), kChunkBytes},
@@ -235,19 +232,53 @@ std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int
                            : torch::empty({0});
   auto super = f.super ? torch::empty({groups, K / kSuperWeights, 2, kGroup}, options.dtype(torch::kHalf))
                        : torch::empty({0});
-  const Packed out{static_cast<uint8_t*>(codes.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()),
-                   f.offsets ? static_cast<uint8_t*>(offsets.data_ptr()) : nullptr,
-                   f.super ? static_cast<uint16_t*>(super.data_ptr()) : nullptr};
+  return {codes, scales, offsets, super};
+}
+
+// raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes, packed into `out` (buffers of
+// gguf_packed_buffers for this type and K, of at least first_group + ceil(rows / 16) groups) from group
+// first_group on: the shards of a fused matrix go straight into its one set of buffers.
+void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<torch::Tensor> out,
+                           int64_t first_group) {
+  const auto like = gguf_packed_buffers(type, kGroup, K);  // one group: the shapes past the first dimension
+  TORCH_CHECK(out.size() == 4 && first_group >= 0, "out: codes, scales, offsets, super_scales");
+  const int64_t groups = (rows + kGroup - 1) / kGroup;
+  for (size_t i = 0; i < 4; ++i) {
+    if (like[i].numel() == 0) {
+      TORCH_CHECK(out[i].numel() == 0, "out[", i, "]: this type has none");
+      continue;
+    }
+    TORCH_CHECK(out[i].scalar_type() == like[i].scalar_type() && out[i].is_contiguous() &&
+                    out[i].dim() == like[i].dim() && out[i].sizes().slice(1) == like[i].sizes().slice(1) &&
+                    out[i].size(0) >= first_group + groups,
+                "out[", i, "]: not this type's buffer for K = ", K, " and ", first_group + groups, " groups");
+  }
+  const Format f = format_of(type);
+  const int64_t row_bytes = K / f.block_weights * f.block_bytes;
+  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.is_contiguous() && raw.numel() == rows * row_bytes,
+              "raw: the matrix's bytes, (rows, row bytes) uint8");
+  auto at = [&](size_t i) {
+    return static_cast<uint8_t*>(out[i].data_ptr()) + first_group * out[i].stride(0) * out[i].element_size();
+  };
+  const Packed packed{at(0), at(1), f.offsets ? at(2) : nullptr,
+                      f.super ? reinterpret_cast<uint16_t*>(at(3)) : nullptr};
   const uint8_t* src = raw.data_ptr<uint8_t>();
   switch (type) {
-    case kQ4_0: pack_all<kQ4_0>(src, rows, K, out); break;
-    case kQ4_1: pack_all<kQ4_1>(src, rows, K, out); break;
-    case kQ8_0: pack_all<kQ8_0>(src, rows, K, out); break;
-    case kQ5_0: pack_all<kQ5_0>(src, rows, K, out); break;
-    case kQ5_1: pack_all<kQ5_1>(src, rows, K, out); break;
-    case kQ4_K: pack_all<kQ4_K>(src, rows, K, out); break;
-    case kQ5_K: pack_all<kQ5_K>(src, rows, K, out); break;
-    default: pack_all<kQ6_K>(src, rows, K, out); break;
+    case kQ4_0: pack_all<kQ4_0>(src, rows, K, packed); break;
+    case kQ4_1: pack_all<kQ4_1>(src, rows, K, packed); break;
+    case kQ8_0: pack_all<kQ8_0>(src, rows, K, packed); break;
+    case kQ5_0: pack_all<kQ5_0>(src, rows, K, packed); break;
+    case kQ5_1: pack_all<kQ5_1>(src, rows, K, packed); break;
+    case kQ4_K: pack_all<kQ4_K>(src, rows, K, packed); break;
+    case kQ5_K: pack_all<kQ5_K>(src, rows, K, packed); break;
+    default: pack_all<kQ6_K>(src, rows, K, packed); break;
   }
-  return {codes, scales, offsets, super};
+}
+
+// raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes. Returns [codes, scales, offsets,
+// super_scales] as PackedWeight holds them (an absent one empty), rows padded to whole groups of 16.
+std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K) {
+  auto out = gguf_packed_buffers(type, rows, K);
+  pack_gguf_blocks_into(raw, type, rows, K, out, 0);
+  return out;
 }

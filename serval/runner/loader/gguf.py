@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -25,12 +24,12 @@ from serval.runner.loader.dequant import (
     BLOCK_CODE_TYPES,
     SUPPORTED_TYPES,
     UnsupportedQuantizationError,
-    block_codes,
     dequantize,
     is_supported,
 )
 from serval.runner.loader.gguf_file import GGUFFile
-from serval.runner.quantization import GROUP, PackedWeight, pack_block_codes, sixteen_bit_form
+from serval.runner.loader.gguf_pack import NativeRepack, packed_from_blocks, unpermute_rows
+from serval.runner.quantization import PackedWeight, sixteen_bit_form
 
 # general.architecture -> (Hugging Face class, model_type). llama.cpp writes Mistral (v0.1-v0.3) as llama.
 _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
@@ -40,7 +39,7 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     }
 )
-# Architectures whose converter interleaves the two rotary halves of every q/k head (see _unpermute_rows).
+# Architectures whose converter interleaves the two rotary halves of every q/k head (see gguf_pack.unpermute_rows).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_NAMES: MappingProxyType[str, str] = MappingProxyType(
@@ -214,84 +213,6 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-# Weights packed at a time from a large matrix's bytes: the intermediate codes (a byte a weight, and their
-# regrouped copy) of a 49,152-row embedding would otherwise add ~0.6 GB to a 7B load's peak.
-_PACK_CHUNK_WEIGHTS = 1 << 24
-
-
-def _packed_from_blocks(
-    data: np.ndarray,
-    qtype: GGMLQuantizationType,
-    shape: tuple[int, int],
-    heads: int | None,
-    repack: Callable | None = None,
-) -> PackedWeight:
-    """The packed form of a block-type matrix (data: the reader's (rows, bytes) view), its rows un-permuted
-    for `heads` q/k heads when given. repack: the native kernel that packs the bytes in one pass
-    (kernels.pack_gguf_blocks); without it, tensor ops do (loader/dequant.py, runner/quantization.py), large
-    matrices in slices of whole 16-row groups, each written into the result as it is packed."""
-    rows, cols = shape
-    if repack is not None:
-        if heads is not None:  # whole rows of blocks move: the same order _unpermute_rows gives the values
-            data = data[_unpermute_rows(torch.arange(rows), heads).numpy()]
-        with warnings.catch_warnings():  # a read-only view of the file mapping: the kernel only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
-        codes, scales, offsets, super_scales = repack(raw, int(qtype), rows, cols)
-        bits = codes.shape[2] if codes.dtype == torch.uint8 else 8  # 4, 5 or 6 chunks a block: the width
-        return PackedWeight(bits, rows, codes, scales, offsets, super_scales)
-    step = max(GROUP, _PACK_CHUNK_WEIGHTS // cols // GROUP * GROUP)
-    if heads is not None or rows <= step:  # un-permuting moves rows across the whole matrix
-        codes = block_codes(data, qtype, shape)
-        return pack_block_codes(
-            codes if heads is None else codes.map_rows(lambda t: _unpermute_rows(t, heads))
-        )
-    result: PackedWeight | None = None
-    for start in range(0, rows, step):
-        part = pack_block_codes(
-            block_codes(data[start : start + step], qtype, (min(step, rows - start), cols))
-        )
-        if result is None:
-            groups = -(-rows // GROUP)
-
-            def empty_like(t: torch.Tensor, groups: int = groups) -> torch.Tensor:
-                return t if t.numel() == 0 else t.new_empty((groups, *t.shape[1:]))
-
-            result = PackedWeight(
-                part.bits,
-                rows,
-                empty_like(part.codes),
-                empty_like(part.scales),
-                empty_like(part.offsets),
-                empty_like(part.super_scales),
-            )
-        first = start // GROUP
-        for whole, piece in (
-            (result.codes, part.codes),
-            (result.scales, part.scales),
-            (result.offsets, part.offsets),
-            (result.super_scales, part.super_scales),
-        ):
-            if piece.numel():
-                whole[first : first + piece.shape[0]] = piece
-    return result
-
-
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order, restoring Hugging Face's.
-
-    Hugging Face's rotary embedding pairs dimension i of a head with i + head_dim/2 (two halves); ggml's
-    pairs 2i with 2i + 1 (interleaved), so the converter reorders each head's rows from [half 0; half 1]
-    to [r0 of half 0, r0 of half 1, r1 of half 0, ...]. Reading a head's rows as (head_dim/2, 2) and
-    transposing to (2, head_dim/2) puts them back. Works for weights (rows, in) and biases (rows,).
-    """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    # (num_heads, half, 2, ...) -> (num_heads, 2, half, ...)
-    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
-    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
-
-
 # Matrices of these types are kept as the file stores them (quantization.sixteen_bit_form).
 _SIXTEEN_BIT_TYPES = frozenset({GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
@@ -299,6 +220,17 @@ _SIXTEEN_BIT_TYPES = frozenset({GGMLQuantizationType.F16, GGMLQuantizationType.B
 def packable_tensor_names(reader: GGUFFile) -> frozenset[str]:
     """The Hugging Face names of the file's matrices the quantized kernels run from their stored form."""
     return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_packable_matrix(t))
+
+
+def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
+    """The GGML block type (Q4_0 ... Q6_K) of each matrix stored in one, by Hugging Face name."""
+    return MappingProxyType(
+        {
+            hf_tensor_name(t.name): int(t.tensor_type)
+            for t in reader.tensors
+            if len(t.shape) == 2 and t.tensor_type in BLOCK_CODE_TYPES
+        }
+    )
 
 
 def _is_packable_matrix(tensor) -> bool:
@@ -322,7 +254,7 @@ def iter_gguf_weights(
     reader: GGUFFile | None = None,
     packed_forms: dict[str, PackedWeight] | None = None,
     packed_only: frozenset[str] = frozenset(),
-    repack: Callable | None = None,
+    repack: NativeRepack | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file as (Hugging Face name, float32 tensor in PyTorch orientation).
 
@@ -331,7 +263,7 @@ def iter_gguf_weights(
     matrix of a block type (Q4_0 ... Q6_K), built from its bytes, and the 16-bit form of each F16/BF16 one.
     packed_only: names whose dense values nobody needs (the model runs them packed): yielded as meta
     tensors of their shape, never dequantized, after their packed form is put in packed_forms.
-    repack: the native packing kernel (kernels.pack_gguf_blocks), or None.
+    repack: the native packing kernels (NativeRepack), or None.
     """
     reader = reader or open_gguf(path)
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
@@ -361,14 +293,16 @@ def iter_gguf_weights(
         else:
             weight = dequantize(tensor.data, tensor.tensor_type, shape)
             if permuted:
-                weight = _unpermute_rows(weight, heads_of[part])
+                weight = unpermute_rows(weight, heads_of[part])
         if packable and tensor.tensor_type in _SIXTEEN_BIT_TYPES:
             values = _sixteen_bit_from_file(tensor.data, tensor.tensor_type, shape)
             packed_forms[name] = sixteen_bit_form(
-                _unpermute_rows(values, heads_of[part]) if permuted else values
+                unpermute_rows(values, heads_of[part]) if permuted else values
             )
         elif packable:
             heads = heads_of[part] if permuted else None
-            packed_forms[name] = _packed_from_blocks(tensor.data, tensor.tensor_type, shape, heads, repack)
+            packed_forms[name] = packed_from_blocks(
+                tensor.data, tensor.tensor_type, shape, heads, repack, name
+            )
         reader.release_pages(tensor.data_offset, tensor.n_bytes)  # both results own their memory
         yield name, weight

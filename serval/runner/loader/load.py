@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +16,9 @@ from serval.runner.loader.packer import LowBitPacker
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
+
+if TYPE_CHECKING:
+    from serval.runner.loader.gguf_pack import NativeRepack
 
 # Streams the weights with Hugging Face names; given a dict, a reader that can also fills it with the packed
 # forms (runner/quantization.py) it builds from the file's own blocks (with the native `repack` kernel when
@@ -32,6 +37,9 @@ class Checkpoint:
     # The Hugging Face names of the matrices the reader packs from the file's own bytes (GGUF block types,
     # kept as codes and scales; F16/BF16, kept as they are: runner/quantization.py).
     packable_names: frozenset[str] = frozenset()
+    # The GGML block type of each matrix stored in one (GGUF files): fused matrices whose shards share one
+    # are packed straight into one set of buffers (LowBitPacker.plan_joined).
+    block_types: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def has_packable_weights(self) -> bool:
@@ -45,6 +53,7 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
     """
     if source.is_gguf:
         from serval.runner.loader.gguf import (
+            block_tensor_types,
             config_from_reader,
             iter_gguf_weights,
             open_gguf,
@@ -61,6 +70,7 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
             ),
             weight_formats(reader),
             packable_tensor_names(reader),
+            block_tensor_types(reader),
         )
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
     return Checkpoint(
@@ -79,7 +89,8 @@ def load_model(
     pack_low_bit: bool = False,
     release_packed_dense: bool = False,
     packable_names: frozenset[str] = frozenset(),
-    repack=None,
+    repack: NativeRepack | None = None,
+    block_types: Mapping[str, int] | None = None,
 ) -> torch.nn.Module:
     """pack_low_bit: also keep the exact packed form of weights that have one (GGUF block types Q4_0 ... Q6_K,
     read from the file's blocks; Q4_0/Q4_1/Q8_0-shaped fp32 values of other checkpoints) for the quantized
@@ -87,8 +98,9 @@ def load_model(
     release_packed_dense: the packed kernels serve every batch size, so a packed matrix's dense copy is
     freed as soon as the matrix is complete, and the matrices the reader packs from the file's blocks
     (packable_names) are never made dense at all.
-    repack: the native kernel that packs a GGUF matrix's bytes in one pass (kernels.pack_gguf_blocks); None:
-    tensor ops do it, ~10x slower."""
+    repack: the native kernels that pack a GGUF matrix's bytes in one pass (loader/gguf_pack.py NativeRepack);
+    None: tensor ops do it, ~10x slower.
+    block_types: Checkpoint.block_types; with repack, fused matrices of one block type are packed in place."""
     cls = model_class(arch.architecture)
     # Built on the meta device (no memory spent on random init) and materialized in the compute dtype, the
     # matrices each when their first tensor arrives (load_weights): the checkpoint streams in one tensor at
@@ -99,6 +111,9 @@ def load_model(
     from_file: dict | None = {} if pack_low_bit else None
     packer = LowBitPacker(model, release_packed_dense, from_file) if pack_low_bit else None
     packed_only = packer.plan_packed_only(packable_names) if packer is not None else frozenset()
+    if packer is not None and repack is not None and block_types:
+        packer.plan_joined(block_types, repack.empty)
+        repack = dataclasses.replace(repack, join_target=packer.join_target)
     _materialize_all_but_matrices(model)
     model.rotary = model._make_rotary(None)  # buffers built on meta must be recomputed for real
 

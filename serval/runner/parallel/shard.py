@@ -134,7 +134,9 @@ def sharded_checkpoint(checkpoint: Checkpoint, shard: TensorShard) -> Checkpoint
     def read(packed_forms: dict | None = None, packed_only=frozenset(), repack=None):
         # The reader fills `full_forms` with each tensor's packed form before it yields the tensor.
         full_forms = None if packed_forms is None else {}
-        for name, tensor in read_full(full_forms, packed_only, repack):
+        # Each shard's form is cut from its whole matrix here, so none is packed into a fused one's buffers.
+        whole_repack = None if repack is None else dataclasses.replace(repack, join_target=None)
+        for name, tensor in read_full(full_forms, packed_only, whole_repack):
             cut = shard.cut(name)
             if full_forms is not None and name in full_forms:
                 packed_forms[name] = cut_packed(full_forms.pop(name), cut, name)
