@@ -39,7 +39,8 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     }
 )
-# Architectures whose converter interleaves the two rotary halves of every q/k head (see gguf_pack.unpermute_rows).
+# Architectures whose converter interleaves the two rotary halves of every q/k head
+# (gguf_pack.unpermute_rows undoes it).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_NAMES: MappingProxyType[str, str] = MappingProxyType(

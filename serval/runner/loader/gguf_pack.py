@@ -1,8 +1,9 @@
 """Packing a GGUF matrix's blocks into the quantized kernels' layout (runner/quantization.py), from its bytes.
 
 The native kernels (kernels/gguf_repack.cpp) pack a matrix in one pass, and can pack the shards of a fused
-matrix (q/k/v, gate/up) straight into its one set of buffers; without them tensor ops do it (loader/dequant.py,
-runner/quantization.py), a large matrix in slices. Also here: llama.cpp's q/k row order, undone.
+matrix (q/k/v, gate/up) straight into its one set of buffers; without them tensor ops do it
+(loader/dequant.py, runner/quantization.py), a large matrix in slices. Also here: llama.cpp's q/k row order,
+undone.
 """
 
 from __future__ import annotations
