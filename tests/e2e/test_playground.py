@@ -31,6 +31,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[2] / "test-artifacts" / "playground"
 AUTH = {"Authorization": f"Bearer {KEYED_API_KEY}"}
 QUESTION = "What is the capital of France?"
+# An answer that runs to max_tokens: an 8-token answer can reach the page in one or two network reads, and
+# then there is nothing to see grow.
+LONG_QUESTION = "Tell me a story about a cat."
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
@@ -137,11 +140,11 @@ def test_streamed_text_grows_and_equals_the_greedy_answer(page, keyed_server, cl
         ".observe(document.querySelector('[data-testid=messages]'),"
         " {subtree: true, childList: true, characterData: true}); }"
     )
-    send(page, QUESTION)
+    send(page, LONG_QUESTION)
     page.wait_for_selector("[data-testid=timing]", timeout=120_000)
     expected = client.chat.completions.create(
         model=keyed_server.model,
-        messages=[{"role": "user", "content": QUESTION}],
+        messages=[{"role": "user", "content": LONG_QUESTION}],
         temperature=0,
         max_tokens=48,
     )
