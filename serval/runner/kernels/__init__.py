@@ -29,6 +29,7 @@ _DIRECTORY = os.path.dirname(__file__)
 SOURCES = tuple(
     os.path.join(_DIRECTORY, name)
     for name in (
+        "bindings.cpp",
         "cpu_kernels.cpp",
         "decode_attention.cpp",
         "prefill_attention.cpp",
@@ -40,7 +41,7 @@ SOURCES = tuple(
         "gguf_repack.cpp",
     )
 )
-_HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h"))
+_HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h", "decode_stack.h"))
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 
 
@@ -206,7 +207,7 @@ def load_cpu_kernels(variant: str | None = None):
         first_build = not _build_directory_exists(module_name)
         if first_build:
             logger.info(
-                "compiling native kernels for %s (%s variant), first start only, usually 1-3 minutes; later"
+                "compiling native kernels for %s (%s variant), first start only, usually about a minute; later"
                 " starts reuse the build",
                 " ".join(chosen.cpu_flags) or f"baseline {platform.machine()}",
                 chosen.name,

@@ -1,8 +1,15 @@
 // Shared by the kernel sources: scalar conversions and row helpers over simd.h's vectors, and the torch-level ops
 // that decode_stack.cpp composes into a whole decoder layer.
 #pragma once
-#include <torch/extension.h>
+// ATen's tensor and the few operators the kernels call, not <torch/extension.h>: that header (all of torch's
+// C++ API and Python bindings) took 28 s to compile per file, most of each variant's build.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -69,24 +76,23 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f, Schedule sched
 
 }  // namespace serval_kernels
 
-torch::Tensor paged_decode_attention(
-    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale);
+at::Tensor paged_decode_attention(
+    at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+    at::Tensor context_lens, double scale);
 void paged_prefill_attention(
-    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor query_starts, torch::Tensor query_lens, torch::Tensor context_lens, double scale,
-    torch::Tensor out);
-torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               torch::Tensor super_scales, int64_t N, bool int8_batch_activations);
+    at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+    at::Tensor query_starts, at::Tensor query_lens, at::Tensor context_lens, double scale,
+    at::Tensor out);
+at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
+void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                               at::Tensor super_scales, int64_t N, bool int8_batch_activations);
 // x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
-torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].
-std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K);
-std::vector<torch::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K);
-void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<torch::Tensor> out,
+std::vector<at::Tensor> pack_gguf_blocks(at::Tensor raw, int64_t type, int64_t rows, int64_t K);
+std::vector<at::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K);
+void pack_gguf_blocks_into(at::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<at::Tensor> out,
                            int64_t first_group);
-void register_decode_stack(pybind11::module& m);

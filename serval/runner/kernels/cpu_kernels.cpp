@@ -1,5 +1,4 @@
-// The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, SwiGLU's silu * up, in-place RoPE,
-// and the Python module that binds them with the other sources' kernels.
+// The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, SwiGLU's silu * up, in-place RoPE.
 #include "common.h"
 
 using namespace serval_kernels;
@@ -44,14 +43,14 @@ Bf16Rows bf16_rows_for(int64_t rows, std::integer_sequence<int, Rows...>) {
 
 }  // namespace
 
-torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes must be (M, K) and (N, K)");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   auto xc = x.contiguous();
   auto wc = w.contiguous();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
@@ -71,7 +70,7 @@ torch::Tensor bf16_linear_small_batch(torch::Tensor x, torch::Tensor w) {
 // RMSNorm over the last dimension, computed in fp32 whatever comes in; the result has the weight's dtype.
 // One op instead of PyTorch's eight small ones (cast, pow, mean, add, rsqrt, mul, mul, cast) per call.
 template <typename In, typename Out>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1);
   const In* xp = x.data_ptr<In>();
   const Out* wp = w.data_ptr<Out>();
@@ -90,22 +89,22 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, t
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "x (rows, dim), weight (dim)");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
-  auto out = torch::empty(xc.sizes(), xc.options().dtype(wc.scalar_type()));
+  auto out = at::empty(xc.sizes(), xc.options().dtype(wc.scalar_type()));
   const auto in = xc.scalar_type(), w = wc.scalar_type();
-  if (in == torch::kFloat && w == torch::kBFloat16) rms_norm_impl<float, at::BFloat16>(xc, wc, eps, out);
-  else if (in == torch::kFloat && w == torch::kFloat) rms_norm_impl<float, float>(xc, wc, eps, out);
-  else if (in == torch::kBFloat16 && w == torch::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(xc, wc, eps, out);
+  if (in == at::kFloat && w == at::kBFloat16) rms_norm_impl<float, at::BFloat16>(xc, wc, eps, out);
+  else if (in == at::kFloat && w == at::kFloat) rms_norm_impl<float, float>(xc, wc, eps, out);
+  else if (in == at::kBFloat16 && w == at::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(xc, wc, eps, out);
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
   return out;
 }
 
 // SwiGLU's silu(gate) * up over (rows, 2 * inter) -> (rows, inter), in one pass.
 template <typename T>
-void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = out.size(0), inter = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -122,12 +121,12 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (rows, 2 * inter)");
   auto gc = gate_up.contiguous();
-  auto out = torch::empty({gc.size(0), gc.size(1) / 2}, gc.options());
-  if (gc.scalar_type() == torch::kBFloat16) silu_mul_impl<at::BFloat16>(gc, out);
-  else if (gc.scalar_type() == torch::kFloat) silu_mul_impl<float>(gc, out);
+  auto out = at::empty({gc.size(0), gc.size(1) / 2}, gc.options());
+  if (gc.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gc, out);
+  else if (gc.scalar_type() == at::kFloat) silu_mul_impl<float>(gc, out);
   else TORCH_CHECK(false, "silu_mul: unsupported dtype");
   return out;
 }
@@ -136,7 +135,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // may be strided views of the fused qkv output; cos and sin are (tokens, head_dim / 2) float32. The rotation
 // is computed in fp32 and rounded once.
 template <typename T>
-void rope_impl(torch::Tensor& x, const float* cos, const float* sin, int64_t half) {
+void rope_impl(at::Tensor& x, const float* cos, const float* sin, int64_t half) {
   const int64_t tokens = x.size(0), heads = x.size(1);
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   T* base = x.data_ptr<T>();
@@ -156,42 +155,16 @@ void rope_impl(torch::Tensor& x, const float* cos, const float* sin, int64_t hal
   });
 }
 
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: (tokens, heads, dim)");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "cos/sin: float32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin: float32");
   auto c = cos.contiguous();
   auto s = sin.contiguous();
   const int64_t half = q.size(2) / 2;
   TORCH_CHECK(c.numel() == q.size(0) * half && s.numel() == q.size(0) * half, "cos/sin: (tokens, dim / 2)");
-  for (torch::Tensor x : {q, k}) {
-    if (x.scalar_type() == torch::kBFloat16) rope_impl<at::BFloat16>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
-    else if (x.scalar_type() == torch::kFloat) rope_impl<float>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
+  for (at::Tensor x : {q, k}) {
+    if (x.scalar_type() == at::kBFloat16) rope_impl<at::BFloat16>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
+    else if (x.scalar_type() == at::kFloat) rope_impl<float>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
     else TORCH_CHECK(false, "rotary_embedding_: unsupported dtype");
   }
-}
-
-#define SERVAL_STRINGIFY_(x) #x
-#define SERVAL_STRINGIFY(x) SERVAL_STRINGIFY_(x)
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Every kernel releases the GIL while it runs: the engine thread computes while the event loop serves.
-  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16", release());
-  // Which instruction-set variant this build is (kernels/__init__.py compiles one module per variant).
-  m.attr("variant") = SERVAL_STRINGIFY(SERVAL_VARIANT);
-  m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
-  m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache (one query token per sequence)", release());
-  m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prefilling sequences over the paged KV cache, written into out", release());
-  m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", pybind11::arg("x"),
-        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("super_scales"),
-        pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
-  m.def("gguf_packed_buffers", &gguf_packed_buffers, "the empty packed buffers of a GGUF type's matrix", release());
-  m.def("pack_gguf_blocks_into", &pack_gguf_blocks_into,
-        "a GGUF block-quantized matrix's bytes, packed into given buffers from a group on", release());
-  register_decode_stack(m);
 }

@@ -107,13 +107,13 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
 
 template <typename T>
 void decode_attention_impl(
-    const torch::Tensor& q,             // (num_seqs, num_heads, head_dim)
-    const torch::Tensor& k_cache,       // (num_blocks, block_size, num_kv_heads, head_dim)
-    const torch::Tensor& v_cache,       // same
-    const torch::Tensor& block_tables,  // (num_seqs, max_blocks) int64
-    const torch::Tensor& context_lens,  // (num_seqs,) int64
+    const at::Tensor& q,             // (num_seqs, num_heads, head_dim)
+    const at::Tensor& k_cache,       // (num_blocks, block_size, num_kv_heads, head_dim)
+    const at::Tensor& v_cache,       // same
+    const at::Tensor& block_tables,  // (num_seqs, max_blocks) int64
+    const at::Tensor& context_lens,  // (num_seqs,) int64
     double scale,
-    torch::Tensor& out) {               // (num_seqs, num_heads, head_dim)
+    at::Tensor& out) {               // (num_seqs, num_heads, head_dim)
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -156,21 +156,21 @@ void decode_attention_impl(
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(
-    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(
+    at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+    at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
-  if (q.scalar_type() == torch::kFloat) {
+  if (q.scalar_type() == at::kFloat) {
     decode_attention_impl<float>(q, k_cache, v_cache, bt, cl, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, bt, cl, scale, out);
-  } else if (q.scalar_type() == torch::kHalf) {
+  } else if (q.scalar_type() == at::kHalf) {
     decode_attention_impl<at::Half>(q, k_cache, v_cache, bt, cl, scale, out);
   } else {
     TORCH_CHECK(false, "unsupported dtype");

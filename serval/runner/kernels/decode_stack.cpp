@@ -7,21 +7,22 @@
 // It computes exactly what the Python path (models/llama.py with the native kernels) computes: the same
 // kernels, rounding to the compute dtype at the same points, the residual stream in fp32. A test compares
 // the two bit for bit.
+#include "decode_stack.h"
 #include "common.h"
 
 namespace {
 
-torch::Tensor optional(const torch::Tensor& t) { return t.numel() == 0 ? torch::Tensor() : t; }
+at::Tensor optional(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
 
 // One packed matrix (runner/quantization.py), or one part of a fused matrix whose shards differ in layout.
 struct PackedPart {
-  torch::Tensor codes, scales, offsets, super_scales;
+  at::Tensor codes, scales, offsets, super_scales;
   int64_t out_features;
 };
 
 // One Linear layer (layers.py): its weight, and its exact packed form when it has one.
 struct LinearWeights {
-  torch::Tensor weight;
+  at::Tensor weight;
   std::vector<PackedPart> packed;  // empty: no packed form; several: outputs side by side (PackedParts)
   bool use_small_batch_kernel = false;
   int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
@@ -29,33 +30,33 @@ struct LinearWeights {
 
   // The Linear layer's dispatch: the quantized kernel for a few rows when packed, else the small-batch
   // bf16 kernel for a few rows, else PyTorch's matmul.
-  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& bias) const {
-    torch::Tensor y;
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& bias) const {
+    at::Tensor y;
     if (!packed.empty() && x.size(0) <= max_quantized_rows) {
-      std::vector<torch::Tensor> outputs;
+      std::vector<at::Tensor> outputs;
       for (const auto& p : packed)
         outputs.push_back(quantized_linear(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features,
                                           int8_batch_activations));
-      y = outputs.size() == 1 ? outputs[0] : torch::cat(outputs, 1);
+      y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
     } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
       y = bf16_linear_small_batch(x, weight);
     } else {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
-    return bias.defined() ? y + bias : y;
+    return bias.defined() ? y.add(bias) : y;
   }
 };
 
 // t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
 // whole groups of 16 rows (PackedParts), so its row count is its codes' (groups, or rows of 16-bit weights).
-LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_quantized_rows,
+LinearWeights linear_weights(const std::vector<at::Tensor>& t, int64_t max_quantized_rows,
                              int64_t max_small_batch_rows, bool int8_batch_activations) {
   TORCH_CHECK(!t.empty() && (t.size() - 1) % 4 == 0, "a linear layer: its weight and 4 tensors per packed part");
   LinearWeights w{t[0]};
   int64_t rows_left = w.weight.size(0);
   for (size_t i = 1; i < t.size(); i += 4) {
     const bool last = i + 4 == t.size();
-    const bool sixteen_bit = t[i].scalar_type() == torch::kHalf || t[i].scalar_type() == torch::kBFloat16;
+    const bool sixteen_bit = t[i].scalar_type() == at::kHalf || t[i].scalar_type() == at::kBFloat16;
     const int64_t rows = last ? rows_left : t[i].size(0) * (sixteen_bit ? 1 : 16);  // 16-bit: (N, K)
     w.packed.push_back({t[i], t[i + 1], optional(t[i + 2]), optional(t[i + 3]), rows});
     rows_left -= rows;
@@ -63,25 +64,25 @@ LinearWeights linear_weights(const std::vector<torch::Tensor>& t, int64_t max_qu
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
   w.int8_batch_activations = int8_batch_activations;
-  w.use_small_batch_kernel = w.weight.scalar_type() == torch::kBFloat16 && w.weight.size(1) % 32 == 0;
+  w.use_small_batch_kernel = w.weight.scalar_type() == at::kBFloat16 && w.weight.size(1) % 32 == 0;
   return w;
 }
 
 struct LayerWeights {
-  torch::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;
+  at::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;
   LinearWeights qkv, o, gate_up, down;
-  torch::Tensor k_cache, v_cache;  // (num_slots, num_kv_heads, head_dim)
+  at::Tensor k_cache, v_cache;  // (num_slots, num_kv_heads, head_dim)
 };
 
-class DecodeStack {
+}  // namespace
+
+class DecodeStack::Layers {
  public:
-  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] (an empty tensor
-  // stands for an absent bias or q/k norm), and linears: per layer the tensors of qkv, o, gate_up and down as
-  // linear_weights takes them.
-  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers,
-              const std::vector<std::vector<std::vector<torch::Tensor>>>& linears, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
-              int64_t max_small_batch_rows, bool int8_batch_activations)
+  // As DecodeStack takes them (decode_stack.h).
+  Layers(const std::vector<std::vector<at::Tensor>>& layers,
+         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, int64_t num_heads, int64_t num_kv_heads,
+         int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
+         int64_t max_small_batch_rows, bool int8_batch_activations)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale) {
     TORCH_CHECK(layers.size() == linears.size(), "one list of linear layers per layer");
@@ -95,13 +96,10 @@ class DecodeStack {
     }
   }
 
-  // x: (num_seqs, hidden) fp32 residual stream, updated in place. slot_mapping (num_seqs,): where each
-  // sequence's new K/V go; block_tables (num_seqs, max_blocks) and context_lens (num_seqs,) int64, as the
-  // decode attention kernel takes them; cos, sin (num_seqs, head_dim / 2) fp32 at each new token's position.
-  void forward(torch::Tensor x, torch::Tensor slot_mapping, torch::Tensor block_tables,
-               torch::Tensor context_lens, torch::Tensor cos, torch::Tensor sin) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2, "x: (rows, hidden) fp32");
-    TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == x.size(0),
+  void forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables,
+               at::Tensor context_lens, at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: (rows, hidden) fp32");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0),
                 "one int64 slot per row");
     const auto slots = slot_mapping.contiguous();
     for (const auto& layer : layers_) {
@@ -110,9 +108,9 @@ class DecodeStack {
   }
 
  private:
-  void run_layer(const LayerWeights& w, torch::Tensor& x, const torch::Tensor& slots,
-                 const torch::Tensor& block_tables, const torch::Tensor& context_lens, const torch::Tensor& cos,
-                 const torch::Tensor& sin) const {
+  void run_layer(const LayerWeights& w, at::Tensor& x, const at::Tensor& slots,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& cos,
+                 const at::Tensor& sin) const {
     const int64_t rows = x.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     auto qkv = w.qkv(rms_norm(x, w.input_norm, eps_), w.qkv_bias);
@@ -128,15 +126,15 @@ class DecodeStack {
     const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
     auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
                                        block_tables, context_lens, scale_);
-    const torch::Tensor no_bias;
+    const at::Tensor no_bias;
     x.add_(w.o(attn.view({rows, q_size}), no_bias));
     auto gate_up = w.gate_up(rms_norm(x, w.post_norm, eps_), no_bias);
     x.add_(w.down(silu_mul(gate_up), no_bias));
   }
 
   // The new tokens' K and V rows into their cache slots (a row copy each; index_copy_ costs more per call).
-  void write_kv(const LayerWeights& w, const torch::Tensor& k, const torch::Tensor& v,
-                const torch::Tensor& slots) const {
+  void write_kv(const LayerWeights& w, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& slots) const {
     const int64_t rows = k.size(0), kv_size = num_kv_heads_ * head_dim_;
     const int64_t element_size = w.k_cache.element_size();
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -158,13 +156,14 @@ class DecodeStack {
   double eps_, scale_;
 };
 
-}  // namespace
+DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
+                         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
+                         int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations)
+    : layers_(std::make_shared<Layers>(layers, linears, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
+                                       max_quantized_rows, max_small_batch_rows, int8_batch_activations)) {}
 
-void register_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
-                          const std::vector<std::vector<std::vector<torch::Tensor>>>&, int64_t, int64_t, int64_t,
-                          int64_t, double, double, int64_t, int64_t, bool>())
-      .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x",
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+void DecodeStack::forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor context_lens,
+                          at::Tensor cos, at::Tensor sin) {
+  layers_->forward(x, slot_mapping, block_tables, context_lens, cos, sin);
 }

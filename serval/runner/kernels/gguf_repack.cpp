@@ -217,28 +217,28 @@ void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
 
 // The four buffers (codes, scales, offsets, super_scales) of `rows` rows of a `type` matrix K wide, allocated
 // and unfilled, rows padded to whole groups of 16; an absent one is empty.
-std::vector<torch::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K) {
+std::vector<at::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K) {
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K ||
               type == kQ5_K || type == kQ6_K, "GGML type ", type, " has no packed form");
   const Format f = format_of(type);
   TORCH_CHECK(K % f.block_weights == 0, "K: whole blocks of ", f.block_weights);
   const int64_t groups = (rows + kGroup - 1) / kGroup, blocks32 = K / kBlock;
-  const auto options = torch::TensorOptions();
-  auto codes = torch::empty({groups, blocks32, chunks_per_block(f.bits), kChunkBytes},
-                            options.dtype(f.bits == 8 ? torch::kChar : torch::kByte));
-  const auto scale_type = !f.super ? torch::kHalf : (type == kQ6_K ? torch::kChar : torch::kByte);
-  auto scales = torch::empty({groups, K / f.scale_weights, kGroup}, options.dtype(scale_type));
-  auto offsets = f.offsets ? torch::empty({groups, blocks32, kGroup}, options.dtype(f.super ? torch::kByte : torch::kHalf))
-                           : torch::empty({0});
-  auto super = f.super ? torch::empty({groups, K / kSuperWeights, 2, kGroup}, options.dtype(torch::kHalf))
-                       : torch::empty({0});
+  const auto options = at::TensorOptions();
+  auto codes = at::empty({groups, blocks32, chunks_per_block(f.bits), kChunkBytes},
+                            options.dtype(f.bits == 8 ? at::kChar : at::kByte));
+  const auto scale_type = !f.super ? at::kHalf : (type == kQ6_K ? at::kChar : at::kByte);
+  auto scales = at::empty({groups, K / f.scale_weights, kGroup}, options.dtype(scale_type));
+  auto offsets = f.offsets ? at::empty({groups, blocks32, kGroup}, options.dtype(f.super ? at::kByte : at::kHalf))
+                           : at::empty({0});
+  auto super = f.super ? at::empty({groups, K / kSuperWeights, 2, kGroup}, options.dtype(at::kHalf))
+                       : at::empty({0});
   return {codes, scales, offsets, super};
 }
 
 // raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes, packed into `out` (buffers of
 // gguf_packed_buffers for this type and K, of at least first_group + ceil(rows / 16) groups) from group
 // first_group on: the shards of a fused matrix go straight into its one set of buffers.
-void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<torch::Tensor> out,
+void pack_gguf_blocks_into(at::Tensor raw, int64_t type, int64_t rows, int64_t K, std::vector<at::Tensor> out,
                            int64_t first_group) {
   const auto like = gguf_packed_buffers(type, kGroup, K);  // one group: the shapes past the first dimension
   TORCH_CHECK(out.size() == 4 && first_group >= 0, "out: codes, scales, offsets, super_scales");
@@ -255,7 +255,7 @@ void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_
   }
   const Format f = format_of(type);
   const int64_t row_bytes = K / f.block_weights * f.block_bytes;
-  TORCH_CHECK(raw.scalar_type() == torch::kByte && raw.is_contiguous() && raw.numel() == rows * row_bytes,
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == rows * row_bytes,
               "raw: the matrix's bytes, (rows, row bytes) uint8");
   auto at = [&](size_t i) {
     return static_cast<uint8_t*>(out[i].data_ptr()) + first_group * out[i].stride(0) * out[i].element_size();
@@ -277,7 +277,7 @@ void pack_gguf_blocks_into(torch::Tensor raw, int64_t type, int64_t rows, int64_
 
 // raw: (rows, K / block weights * block bytes) uint8, the matrix's bytes. Returns [codes, scales, offsets,
 // super_scales] as PackedWeight holds them (an absent one empty), rows padded to whole groups of 16.
-std::vector<torch::Tensor> pack_gguf_blocks(torch::Tensor raw, int64_t type, int64_t rows, int64_t K) {
+std::vector<at::Tensor> pack_gguf_blocks(at::Tensor raw, int64_t type, int64_t rows, int64_t K) {
   auto out = gguf_packed_buffers(type, rows, K);
   pack_gguf_blocks_into(raw, type, rows, K, out, 0);
   return out;

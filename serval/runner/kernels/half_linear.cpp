@@ -79,27 +79,27 @@ void widen_rows(const W* w, int64_t rows, int64_t K, float* out) {
 
 }  // namespace
 
-torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "x: (rows, K), w: (N, K)");
   TORCH_CHECK(w.size(0) == N && w.is_contiguous(), "w: (N, K) contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K: a multiple of 32");
-  const bool is_half = w.scalar_type() == torch::kHalf;
-  if (M > kMaxRows && x.scalar_type() == torch::kBFloat16) {
+  const bool is_half = w.scalar_type() == at::kHalf;
+  if (M > kMaxRows && x.scalar_type() == at::kBFloat16) {
     // A bf16 model (a CPU with native bf16 products) multiplies in bf16 through oneDNN, as it would over a
     // dense bf16 copy: BF16 weights as stored, F16 ones rounded to bf16 a bounded panel at a time.
     if (!is_half) return at::linear(x, w);
     const int64_t panel = std::min(N, std::max<int64_t>(64, kPanelBytes / (2 * K)));
-    auto out = torch::empty({M, N}, x.options());
+    auto out = at::empty({M, N}, x.options());
     const auto xb = x.contiguous();
     for (int64_t n0 = 0; n0 < N; n0 += panel) {
       const int64_t rows = std::min(panel, N - n0);
-      out.narrow(1, n0, rows).copy_(at::mm(xb, w.narrow(0, n0, rows).to(torch::kBFloat16).t()));
+      out.narrow(1, n0, rows).copy_(at::mm(xb, w.narrow(0, n0, rows).to(at::kBFloat16).t()));
     }
     return out;
   }
-  const auto xf = x.to(torch::kFloat).contiguous();
-  auto out = torch::empty({M, N}, xf.options());
+  const auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({M, N}, xf.options());
   if (M == 0) {
     // nothing to compute
   } else if (M <= kMaxRows) {
@@ -107,7 +107,7 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
     else few_rows(xf.data_ptr<float>(), M, w.data_ptr<at::BFloat16>(), N, K, out.data_ptr<float>());
   } else {
     const int64_t panel = std::min(N, std::max<int64_t>(64, kPanelBytes / (4 * K)));
-    auto widened = torch::empty({panel, K}, xf.options());
+    auto widened = at::empty({panel, K}, xf.options());
     for (int64_t n0 = 0; n0 < N; n0 += panel) {
       const int64_t rows = std::min(panel, N - n0);
       if (is_half) widen_rows(w.data_ptr<at::Half>() + n0 * K, rows, K, widened.data_ptr<float>());
@@ -116,5 +116,5 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
       slice.copy_(at::mm(xf, widened.narrow(0, 0, rows).t()));
     }
   }
-  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

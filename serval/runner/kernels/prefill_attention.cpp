@@ -186,10 +186,10 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
 }
 
 template <typename T>
-void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& block_tables, const torch::Tensor& query_starts,
-                            const torch::Tensor& query_lens, const torch::Tensor& context_lens, double scale,
-                            torch::Tensor& out) {
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_starts,
+                            const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
+                            at::Tensor& out) {
   const Layout l{
       q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2),
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -231,9 +231,9 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache
 
 }  // namespace
 
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
-                             torch::Tensor context_lens, double scale, torch::Tensor out) {
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                             at::Tensor block_tables, at::Tensor query_starts, at::Tensor query_lens,
+                             at::Tensor context_lens, double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out: (tokens, heads, head_dim)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -242,15 +242,15 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               "num_heads must be a multiple of num_kv_heads, head sizes equal");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
   for (const auto* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
-    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "tables and lengths: contiguous int64");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "tables and lengths: contiguous int64");
   }
   TORCH_CHECK(block_tables.size(0) == query_lens.size(0) && query_starts.size(0) == query_lens.size(0) &&
               context_lens.size(0) == query_lens.size(0), "one block table, start and length per sequence");
-  if (q.scalar_type() == torch::kFloat) {
+  if (q.scalar_type() == at::kFloat) {
     prefill_attention_impl<float>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     prefill_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
-  } else if (q.scalar_type() == torch::kHalf) {
+  } else if (q.scalar_type() == at::kHalf) {
     prefill_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
   } else {
     TORCH_CHECK(false, "unsupported dtype");

@@ -235,13 +235,13 @@ GroupRows group_rows_for(Layout layout, int64_t rows) {
   return with_layout(layout, [&](auto L) { return group_rows_for<decltype(L)::value>(rows); });
 }
 
-bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // The layout of a packed matrix from its tensors (quantized.h), each checked against x's width K.
-Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
-                     const torch::Tensor& super, int64_t K) {
-  const bool nibbles = codes.scalar_type() == torch::kByte;
-  TORCH_CHECK(nibbles || codes.scalar_type() == torch::kChar, "codes: uint8 (4-6 bits) or int8 (8 bits)");
+Layout packed_layout(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                     const at::Tensor& super, int64_t K) {
+  const bool nibbles = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(nibbles || codes.scalar_type() == at::kChar, "codes: uint8 (4-6 bits) or int8 (8 bits)");
   TORCH_CHECK(codes.dim() == 4 && codes.size(1) == K / kBlock && codes.size(3) == kChunkBytes, "codes vs x");
   const int64_t chunks = codes.size(2);
   TORCH_CHECK(nibbles ? chunks >= 4 && chunks <= 6 : chunks == 8,
@@ -261,17 +261,17 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
     } else {
       layout = has_offsets ? Layout::kQ4 : Layout::kQ4Sym;
     }
-    TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!has_offsets || offsets.scalar_type() == torch::kHalf),
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && (!has_offsets || offsets.scalar_type() == at::kHalf),
                 "fp16 scales and offsets");
   } else {
     TORCH_CHECK(code_bits != 8, "int8 codes have no k-quant layout");
     layout = code_bits == 4 ? Layout::kQ4K : (code_bits == 5 ? Layout::kQ5K : Layout::kQ6K);
     TORCH_CHECK(K % kSuperWeights == 0, "k-quant layouts: K a multiple of 256");
-    TORCH_CHECK(super.scalar_type() == torch::kHalf && super.dim() == 4 && super.size(0) == codes.size(0) &&
+    TORCH_CHECK(super.scalar_type() == at::kHalf && super.dim() == 4 && super.size(0) == codes.size(0) &&
                 super.size(1) == K / kSuperWeights && super.size(2) == 2 && super.size(3) == kGroup,
                 "super-block scales: (groups, K / 256, 2, 16) fp16");
-    const auto sub_type = layout == Layout::kQ6K ? torch::kChar : torch::kByte;
-    TORCH_CHECK(scales.scalar_type() == sub_type && (!has_offsets || offsets.scalar_type() == torch::kByte),
+    const auto sub_type = layout == Layout::kQ6K ? at::kChar : at::kByte;
+    TORCH_CHECK(scales.scalar_type() == sub_type && (!has_offsets || offsets.scalar_type() == at::kByte),
                 "k-quant sub-block scales and mins: 8-bit");
     TORCH_CHECK(layout == Layout::kQ6K ? !has_offsets : has_offsets,
                 "Q4_K and Q5_K codes need their mins; Q6_K's have none");
@@ -288,14 +288,14 @@ Layout packed_layout(const torch::Tensor& codes, const torch::Tensor& scales, co
 // out (M, padded) fp32 -> (M, N) in dtype. NOTE: a loop rather than narrow + to: for a decode step's few
 // rows these are a dozen tensor ops' dispatch (a microsecond each, 120 matmuls a token) around a copy of a
 // few hundred values.
-torch::Tensor unpadded(const torch::Tensor& out, int64_t N, torch::ScalarType dtype) {
+at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
   const int64_t M = out.size(0), padded = out.size(1);
-  if (dtype == torch::kFloat && N == padded) return out;
-  if (dtype != torch::kFloat && dtype != torch::kBFloat16) return out.narrow(1, 0, N).to(dtype);
-  auto y = torch::empty({M, N}, out.options().dtype(dtype));
+  if (dtype == at::kFloat && N == padded) return out;
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return out.narrow(1, 0, N).to(dtype);
+  auto y = at::empty({M, N}, out.options().dtype(dtype));
   const float* src = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    if (dtype == torch::kFloat) {
+    if (dtype == at::kFloat) {
       std::memcpy(y.data_ptr<float>() + m * N, src + m * padded, N * sizeof(float));
     } else {
       at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
@@ -314,10 +314,10 @@ torch::Tensor unpadded(const torch::Tensor& out, int64_t N, torch::ScalarType dt
 // (x rounded to int8 per block, as llama.cpp does: faster, not exact). offsets and super_scales may be empty
 // (undefined in the DecodeStack): the layout has none. codes in fp16 or
 // bf16, (N, K) with no scales, are 16-bit weights: half_linear.cpp computes those.
-torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               torch::Tensor super_scales, int64_t N, bool int8_batch_activations) {
+at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                               at::Tensor super_scales, int64_t N, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
-  if (codes.scalar_type() == torch::kHalf || codes.scalar_type() == torch::kBFloat16) {
+  if (codes.scalar_type() == at::kHalf || codes.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(!present(scales) && !present(offsets) && !present(super_scales), "16-bit weights have no scales");
     return half_linear(x, codes, N);  // the checkpoint's F16/BF16 values as they are
   }
@@ -329,18 +329,18 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
                        present(offsets) ? offsets.data_ptr() : nullptr,
                        present(super_scales) ? super_scales.data_ptr<at::Half>() : nullptr, K};
   // Padded to whole groups; the padding columns are dropped by the narrow below.
-  auto out = torch::empty({M, num_groups * kGroup}, x.options().dtype(torch::kFloat));
+  auto out = at::empty({M, num_groups * kGroup}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const bool int8_rows = int8_batch_activations && has_int8_rows(layout);  // asked for past kMaxRows
   const bool integer_rows = M <= kMaxRows || (M <= kIntegerRowsMax && !int8_rows);
-  const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == torch::kBFloat16 && has_bf16_tiles();
+  const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == at::kBFloat16 && has_bf16_tiles();
   // The integer path reads bf16 x as it is; the tile paths below take fp32 (a copy, over many rows).
-  const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(torch::kFloat).contiguous();
+  const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (integer_rows) {
-    TORCH_CHECK(xf.scalar_type() == torch::kFloat || xf.scalar_type() == torch::kBFloat16, "x: fp32 or bf16");
-    const Int16Rows xq = xf.scalar_type() == torch::kFloat
+    TORCH_CHECK(xf.scalar_type() == at::kFloat || xf.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
+    const Int16Rows xq = xf.scalar_type() == at::kFloat
                              ? quantize_rows<int16_t>(xf.data_ptr<float>(), M, K)
                              : quantize_rows<int16_t>(xf.data_ptr<at::BFloat16>(), M, K);
     // Rows in passes of kMaxRows over each group, whose codes stay in L1 between passes.

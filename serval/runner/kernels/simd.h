@@ -5,7 +5,8 @@
 // an array of 8 floats whose loops the compiler vectorizes for whatever the baseline is (SSE2, NEON).
 // Algorithms are written once against kWidth lanes; only these few operations differ per ISA.
 #pragma once
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,0 +1,27 @@
+// The handle of a decode-only step's layers (decode_stack.cpp): what the Python module (bindings.cpp) needs
+// to bind it, so that only that one file compiles pybind11 and torch's Python headers.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <memory>
+#include <vector>
+
+class DecodeStack {
+ public:
+  // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] (an empty tensor
+  // stands for an absent bias or q/k norm), and linears: per layer the tensors of qkv, o, gate_up and down,
+  // each [weight, then codes, scales, offsets, super_scales of each packed part].
+  DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
+              const std::vector<std::vector<std::vector<at::Tensor>>>& linears, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
+              int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations);
+
+  // x: (num_seqs, hidden) fp32 residual stream, updated in place. slot_mapping (num_seqs,): where each
+  // sequence's new K/V go; block_tables (num_seqs, max_blocks) and context_lens (num_seqs,) int64, as the
+  // decode attention kernel takes them; cos, sin (num_seqs, head_dim / 2) fp32 at each new token's position.
+  void forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor context_lens,
+               at::Tensor cos, at::Tensor sin);
+
+ private:
+  class Layers;  // decode_stack.cpp
+  std::shared_ptr<Layers> layers_;
+};
