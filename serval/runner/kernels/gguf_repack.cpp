@@ -109,13 +109,21 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
       return;
     }
     case kQ6_K: {
-      const uint8_t *ql = b, *qh = b + 128;
-      for (int e = 0; e < 256; ++e) {
-        const int h = e / 128, t = e % 128;
-        const uint8_t low = t < 64 ? ql[64 * h + t] & 0x0F : ql[64 * h + t - 64] >> 4;
-        const uint8_t high = (qh[32 * h + t % 32] >> (2 * (t / 32))) & 3;
-        out.q[e] = static_cast<uint8_t>(low | (high << 4));
-      }
+      // Weight 128h + 32k + l (l 0-31) takes its low 4 bits from ql[64h + 32(k % 2) + l] (the low nibble for
+      // k < 2, the high one else) and its top 2 bits from bits 2k, 2k + 1 of qh[32h + l]: eight at a time.
+      constexpr uint64_t kNibbles = 0x0F0F0F0F0F0F0F0FULL, kTwoBits = 0x0303030303030303ULL;
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; l += 8) {
+          uint64_t first_run, second_run, top;
+          std::memcpy(&first_run, b + 64 * h + l, 8);
+          std::memcpy(&second_run, b + 64 * h + 32 + l, 8);
+          std::memcpy(&top, b + 128 + 32 * h + l, 8);
+          const uint64_t q[4] = {(first_run & kNibbles) | ((top & kTwoBits) << 4),
+                                 (second_run & kNibbles) | (((top >> 2) & kTwoBits) << 4),
+                                 ((first_run >> 4) & kNibbles) | (((top >> 4) & kTwoBits) << 4),
+                                 ((second_run >> 4) & kNibbles) | (((top >> 6) & kTwoBits) << 4)};
+          for (int k = 0; k < 4; ++k) std::memcpy(out.q + 128 * h + 32 * k + l, &q[k], 8);
+        }
       for (int g = 0; g < 16; ++g) out.d[g] = static_cast<uint8_t>(b[192 + g]);  // int8 bits
       out.super_d = read_u16(b + 208);
       return;
@@ -132,10 +140,67 @@ struct Packed {
   uint16_t* super;   // D, -Dmin; null: none
 };
 
+// Four packed bytes from 8 consecutive codes in a 64-bit word w (byte j: code j): byte j (j 0-3) pairs the
+// low nibbles of codes j and j + 4, as a chunk's byte (h, r, e) with j = 2h + e pairs weights 8c + j and
+// 8c + 4 + j (quantized.h).
+inline uint32_t nibble_pairs(uint64_t w) {
+  return static_cast<uint32_t>((w & 0x0F0F0F0F) | (((w >> 32) & 0x0F0F0F0F) << 4));
+}
+
+// The bits above the nibble of codes j and j + 4 (bits wide each), in bits 0.. and bits.. of byte j.
+template <int bits>
+inline uint32_t high_bits(uint64_t w) {
+  constexpr uint64_t kMask = 0x01010101ULL * ((1u << bits) - 1);
+  return static_cast<uint32_t>(((w >> 4) & kMask) | (((w >> 36) & kMask) << bits));
+}
+
+// A row's four bytes of a chunk: bytes (h, r, 0) and (h, r, 1) of each half h.
+inline void store_pairs(uint8_t* chunk, int64_t r, uint32_t bytes) {
+  for (int h = 0; h < 2; ++h) {
+    const auto pair = static_cast<uint16_t>(bytes >> (16 * h));
+    std::memcpy(chunk + h * 32 + 2 * r, &pair, 2);
+  }
+}
+
+// Q4_0 / Q4_1, group G's rows of block i, without decoding a byte per weight: the packed chunks are the
+// file's nibbles regrouped. Chunk c's byte (h, r, e) pairs weights 8c + 2h + e and 8c + 4 + 2h + e of row r
+// (quantized.h); the file holds weights 0-15 in the low nibbles of its 16 bytes and 16-31 in the high ones,
+// so chunks 0 and 1 pair the low nibbles of bytes j and j + 4 of each 8-byte half (j 0-3), chunks 2 and 3
+// their high nibbles. Decoding a byte per weight first (the generic path below) ran at 1.2 GB/s of file
+// bytes, ~0.5 s of a 1B Q4_0 model's start; this runs at ~5.
+template <int64_t type>
+void pack_q4_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
+                         const Packed& out) {
+  constexpr int64_t kNibblesAt = type == kQ4_0 ? 2 : 4;  // after d (and m)
+  const int64_t block = G * (K / kBlock) + i;
+  uint8_t* chunks = out.codes + block * 4 * kChunkBytes;
+  for (int64_t r = 0; r < kGroup; ++r) {
+    uint64_t half0 = 0, half1 = 0;  // padding rows: zero codes and scales
+    uint16_t d = 0, m = 0;
+    if (r < num_rows) {
+      const uint8_t* b = src + r * row_bytes + i * format_of(type).block_bytes;
+      std::memcpy(&half0, b + kNibblesAt, 8);
+      std::memcpy(&half1, b + kNibblesAt + 8, 8);
+      d = read_u16(b);
+      if constexpr (type == kQ4_1) m = read_u16(b + 2);
+    }
+    store_pairs(chunks, r, nibble_pairs(half0));
+    store_pairs(chunks + kChunkBytes, r, nibble_pairs(half1));
+    store_pairs(chunks + 2 * kChunkBytes, r, nibble_pairs(half0 >> 4));  // the high nibbles
+    store_pairs(chunks + 3 * kChunkBytes, r, nibble_pairs(half1 >> 4));
+    std::memcpy(out.scales + (block * kGroup + r) * 2, &d, 2);
+    if constexpr (type == kQ4_1) std::memcpy(out.offsets + (block * kGroup + r) * 2, &m, 2);
+  }
+}
+
 // Group G's 16 rows (fewer in a last, padded group) of block i (block_weights along K) of every row.
 template <int64_t type>
 void pack_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
                       const Packed& out) {
+  if constexpr (type == kQ4_0 || type == kQ4_1) {
+    pack_q4_group_block<type>(src, row_bytes, num_rows, K, G, i, out);
+    return;
+  }
   constexpr Format f = format_of(type);
   constexpr int64_t kChunks = chunks_per_block(f.bits), kScales = f.block_weights / f.scale_weights;
   constexpr int64_t kBlocks32 = f.block_weights / kBlock, kScaleSize = f.super ? 1 : 2;
@@ -158,25 +223,20 @@ void pack_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, i
             for (int64_t r = 0; r < kGroup; ++r)
               for (int64_t e = 0; e < 2; ++e) *chunk++ = rows[r].q[first + 2 * (2 * c + h) + e];
       } else {
-        for (int64_t c = 0; c < kNibbleChunks; ++c)
-          for (int64_t h = 0; h < 2; ++h)
-            for (int64_t r = 0; r < kGroup; ++r)
-              for (int64_t e = 0; e < 2; ++e) {
-                const uint8_t* q = rows[r].q + first + 8 * c + 2 * h + e;  // nibble n: weight 8c + 4n + 2h + e
-                *chunk++ = static_cast<uint8_t>((q[0] & 0x0F) | ((q[4] & 0x0F) << 4));
-              }
-        if constexpr (kHighBits > 0) {
-          for (int64_t h = 0; h < 2; ++h)
-            for (int64_t r = 0; r < kGroup; ++r)
-              for (int64_t e = 0; e < 2; ++e) {
-                uint8_t byte = 0;
-                for (int64_t c = 0; c < kNibbleChunks; ++c)
-                  for (int64_t n = 0; n < 2; ++n)
-                    byte |= static_cast<uint8_t>((rows[r].q[first + 8 * c + 4 * n + 2 * h + e] >> 4)
-                                                 << (kHighBits * (2 * c + n)));
-                *chunk++ = byte;
-              }
+        // A row at a time, four bytes of each chunk from a word of 8 codes: the nibble chunks, then the
+        // chunk of the bits above them (5- and 6-bit codes), byte j holding those of weights 8c + 4n + j at
+        // bit kHighBits * (2c + n).
+        for (int64_t r = 0; r < kGroup; ++r) {
+          uint32_t high = 0;
+          for (int64_t c = 0; c < kNibbleChunks; ++c) {
+            uint64_t codes;
+            std::memcpy(&codes, rows[r].q + first + 8 * c, 8);
+            store_pairs(chunk + c * kChunkBytes, r, nibble_pairs(codes));
+            if constexpr (kHighBits > 0) high |= high_bits<kHighBits>(codes) << (kHighBits * 2 * c);
+          }
+          if constexpr (kHighBits > 0) store_pairs(chunk + kNibbleChunks * kChunkBytes, r, high);
         }
+        chunk += (kNibbleChunks + (kHighBits > 0 ? 1 : 0)) * kChunkBytes;
       }
     }
   }
