@@ -3,6 +3,9 @@ the same weights, in the model's compute dtype: what `quantized_tiles.cpp` costs
 
     .venv/bin/python bench/batch_matmul.py --type Q4_0 --shapes 3072x2048,2048x8192 --rows 16,64,137
     .venv/bin/python bench/batch_matmul.py --type Q6_K --shapes 8192x2048 --rows 1 --cold
+    .venv/bin/python bench/batch_matmul.py --type Q4_0 --rows 16,128 --int8-activations
+
+--int8-activations times the opt-in path of `--batch-activations int8` (x rounded to int8 past 8 rows).
 
 Each shape is N x K (outputs x inputs) of random weights quantized to the type (the `gguf` package's
 quantizer, the tests' round-to-nearest one for the k-quants); one JSON line per shape and row count with both
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from serval.runner.kernels import load_cpu_kernels
+from serval.runner.kernels import load_cpu_kernels, quantized_matmul
 from serval.runner.loader.dequant import block_codes
 from serval.runner.quantization import pack_block_codes
 
@@ -54,10 +57,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--variant", default=None, help="kernel variant (default: the best this CPU runs)")
     parser.add_argument("--cold", action="store_true", help="weights from memory, not cache, every call")
+    parser.add_argument("--int8-activations", action="store_true", help="x rounded to int8 past 8 rows")
     args = parser.parse_args()
     flush = torch.ones(64 * 1024 * 1024) if args.cold else None
     before = (lambda: flush.add_(1)) if args.cold else None
     kernels = load_cpu_kernels(args.variant)
+    matmul = quantized_matmul(kernels, args.int8_activations)
     qtype = GGMLQuantizationType[args.type]
     dtype = getattr(torch, args.dtype)
     rng = np.random.default_rng(0)
@@ -71,10 +76,11 @@ def main() -> None:
         for rows in (int(v) for v in args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)
             dense_ms = median_ms(torch.nn.functional.linear, x, dense, before=before)
-            packed_ms = median_ms(packed.matmul, kernels.quantized_linear, x, before=before)
+            packed_ms = median_ms(packed.matmul, matmul, x, before=before)
             gflop = 2 * rows * n * k / 1e9
             print(json.dumps({
                 "bench": "batch_matmul", "variant": kernels.variant, "type": args.type, "dtype": args.dtype,
+                "int8_activations": args.int8_activations,
                 "shape": shape, "rows": rows, "dense_ms": round(dense_ms, 3), "packed_ms": round(packed_ms, 3),
                 "packed_over_dense": round(packed_ms / dense_ms, 2), "packed_mb": round(packed.nbytes / 1e6, 2),
                 "packed_gb_per_s": round(packed.nbytes / packed_ms / 1e6, 1),

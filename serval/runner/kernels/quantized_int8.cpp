@@ -1,7 +1,8 @@
-// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows) with int8 activations, on
-// AVX2: VPMADDUBSW multiplies the unsigned 4-bit codes by signed 8-bit x, 32 products an instruction, twice
-// what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves the other layouts and the
-// portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
+// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows) with int8 activations:
+// unsigned 4-bit codes times signed 8-bit x. On AVX-512-VNNI, VPDPBUSD sums 4 products a row, 64 an
+// instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2, VPMADDUBSW makes 32
+// products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
+// the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
 // path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
 // Opt-in (`--batch-activations int8`): the default keeps the exact tiles.
 //
@@ -17,7 +18,86 @@ using namespace serval_kernels::quantized;
 
 namespace {
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__)
+constexpr int kPassRows = 8;  // rows of x per pass: their 16 sums and 16 outputs in registers
+
+using Int8Rows = QuantizedRows<int8_t>;
+
+inline __m512i broadcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Word order that makes dword r of a nibble chunk row r's 4 consecutive weights: the chunk's 32-byte half h
+// holds row r's weights 2h, 2h + 1 (of its 4) in word r, so dword r takes word r of half 0, then of half 1.
+alignas(64) constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// out[r][G's 16 columns] = group G's products with rows r0 .. r0 + R of x, over all of K. Chunk c's low
+// nibbles are weights 8c to 8c + 3 of each of the 16 rows, its high nibbles 8c + 4 to 8c + 7 (quantized.h):
+// one VPDPBUSD each per row of x. Each block's sums are scaled into fp32 outputs kept in registers.
+template <Layout L, int R>
+void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0, float* out, int64_t out_stride) {
+  const int64_t K = w.K, num_blocks = K / kBlock;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i order = _mm512_load_si512(kRowQuads);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < num_blocks; ++s) {
+    const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
+      const __m512i low = _mm512_permutexvar_epi16(order, _mm512_and_si512(packed, nibble));
+      const __m512i high = _mm512_permutexvar_epi16(order, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
+        dots[r] = _mm512_dpbusd_epi32(dots[r], low, broadcast_quad(x));
+        dots[r] = _mm512_dpbusd_epi32(dots[r], high, broadcast_quad(x + 4));
+      }
+    }
+    alignas(64) float d[kGroup], m[kGroup];
+    block_scales<L>(w, G, s, d, m);
+    const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * num_blocks + s;
+      y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scales[i])), y[r]);
+      y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.sums[i]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * out_stride + G * kGroup, y[r]);
+}
+
+using GroupPass = void (*)(const PackedMatrix&, int64_t, const Int8Rows&, int64_t, float*, int64_t);
+
+template <Layout L>
+GroupPass group_pass_for(int64_t rows) {
+  switch (rows) {
+    case 1: return group_pass<L, 1>;
+    case 2: return group_pass<L, 2>;
+    case 3: return group_pass<L, 3>;
+    case 4: return group_pass<L, 4>;
+    case 5: return group_pass<L, 5>;
+    case 6: return group_pass<L, 6>;
+    case 7: return group_pass<L, 7>;
+    default: return group_pass<L, 8>;
+  }
+}
+
+template <Layout L>
+void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
+                 int64_t out_stride) {
+  static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
+  const Int8Rows xq = quantize_rows<int8_t>(x, M, w.K);
+  const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
+  parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t G = begin; G < end; ++G)
+      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
+  }, Schedule::kDynamic);
+}
+#elif defined(__AVX2__)
 constexpr int kPassRows = 4;  // rows of x per pass: 2 int16 sums each plus a chunk's 4 operands fit 16 registers
 
 using Int8Rows = QuantizedRows<int8_t>;
