@@ -45,6 +45,15 @@ constexpr Format format_of(int64_t type) {
   }
 }
 
+constexpr uint64_t kNibbleBytes = 0x0F0F0F0F0F0F0F0FULL, kLowBitBytes = 0x0101010101010101ULL;
+
+// Bit i of an 8-bit value in bit 0 of byte i.
+inline uint64_t spread_bits(uint32_t bits) {
+  uint64_t spread = 0;
+  for (int i = 0; i < 8; ++i) spread |= static_cast<uint64_t>((bits >> i) & 1) << (8 * i);
+  return spread;
+}
+
 inline uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t read_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 
@@ -74,12 +83,18 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
       return;
     case kQ5_0:
     case kQ5_1: {
+      // Eight weights a step: weight j's nibble (the low ones for j < 16, then the high ones) joined with
+      // bit j of qh, each of 8 bits of qh spread to bit 4 of its byte.
       const int at = type == kQ5_0 ? 2 : 4;
       const uint32_t qh = read_u32(b + at);
       const uint8_t* qs = b + at + 4;
-      for (int j = 0; j < 16; ++j) {
-        out.q[j] = static_cast<uint8_t>((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
-        out.q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+      for (int j = 0; j < 16; j += 8) {
+        uint64_t nibbles;
+        std::memcpy(&nibbles, qs + j, 8);
+        const uint64_t low = (nibbles & kNibbleBytes) | (spread_bits((qh >> j) & 0xFF) << 4);
+        const uint64_t high = ((nibbles >> 4) & kNibbleBytes) | (spread_bits((qh >> (j + 16)) & 0xFF) << 4);
+        std::memcpy(out.q + j, &low, 8);
+        std::memcpy(out.q + j + 16, &high, 8);
       }
       out.d[0] = read_u16(b);
       if (type == kQ5_1) out.m[0] = read_u16(b + 2);
@@ -95,15 +110,18 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
         out.d[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
         out.m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
       }
+      // Sub-block j's weight l: a nibble of qs[32 (j / 2) + l] (low for even j), for Q5_K joined with bit j of
+      // qh[l]; eight weights a step.
       const bool five_bit = type == kQ5_K;
       const uint8_t* qh = b + 16;
       const uint8_t* qs = b + (five_bit ? 48 : 16);
       for (int j = 0; j < 8; ++j) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t byte = qs[32 * (j / 2) + l];
-          uint8_t q = j % 2 ? byte >> 4 : byte & 0x0F;
-          if (five_bit) q |= ((qh[l] >> j) & 1) << 4;
-          out.q[32 * j + l] = q;
+        for (int l = 0; l < 32; l += 8) {
+          uint64_t nibbles, top = 0;
+          std::memcpy(&nibbles, qs + 32 * (j / 2) + l, 8);
+          if (five_bit) std::memcpy(&top, qh + l, 8);
+          const uint64_t q = ((j % 2 ? nibbles >> 4 : nibbles) & kNibbleBytes) | (((top >> j) & kLowBitBytes) << 4);
+          std::memcpy(out.q + 32 * j + l, &q, 8);
         }
       }
       return;
@@ -111,17 +129,17 @@ inline void decode_block(const uint8_t* b, DecodedBlock& out) {
     case kQ6_K: {
       // Weight 128h + 32k + l (l 0-31) takes its low 4 bits from ql[64h + 32(k % 2) + l] (the low nibble for
       // k < 2, the high one else) and its top 2 bits from bits 2k, 2k + 1 of qh[32h + l]: eight at a time.
-      constexpr uint64_t kNibbles = 0x0F0F0F0F0F0F0F0FULL, kTwoBits = 0x0303030303030303ULL;
+      constexpr uint64_t kTwoBits = 0x0303030303030303ULL;
       for (int h = 0; h < 2; ++h)
         for (int l = 0; l < 32; l += 8) {
           uint64_t first_run, second_run, top;
           std::memcpy(&first_run, b + 64 * h + l, 8);
           std::memcpy(&second_run, b + 64 * h + 32 + l, 8);
           std::memcpy(&top, b + 128 + 32 * h + l, 8);
-          const uint64_t q[4] = {(first_run & kNibbles) | ((top & kTwoBits) << 4),
-                                 (second_run & kNibbles) | (((top >> 2) & kTwoBits) << 4),
-                                 ((first_run >> 4) & kNibbles) | (((top >> 4) & kTwoBits) << 4),
-                                 ((second_run >> 4) & kNibbles) | (((top >> 6) & kTwoBits) << 4)};
+          const uint64_t q[4] = {(first_run & kNibbleBytes) | ((top & kTwoBits) << 4),
+                                 (second_run & kNibbleBytes) | (((top >> 2) & kTwoBits) << 4),
+                                 ((first_run >> 4) & kNibbleBytes) | (((top >> 4) & kTwoBits) << 4),
+                                 ((second_run >> 4) & kNibbleBytes) | (((top >> 6) & kTwoBits) << 4)};
           for (int k = 0; k < 4; ++k) std::memcpy(out.q + 128 * h + 32 * k + l, &q[k], 8);
         }
       for (int g = 0; g < 16; ++g) out.d[g] = static_cast<uint8_t>(b[192 + g]);  // int8 bits
