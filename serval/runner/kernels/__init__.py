@@ -41,7 +41,9 @@ SOURCES = tuple(
         "gguf_repack.cpp",
     )
 )
-_HEADERS = tuple(os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h", "decode_stack.h"))
+_HEADERS = tuple(
+    os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h", "decode_stack.h")
+)
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 
 
