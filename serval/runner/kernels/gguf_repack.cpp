@@ -66,17 +66,11 @@ struct DecodedBlock {
   uint16_t super_d = 0, super_m = 0;
 };
 
+// Every type but Q4_0 / Q4_1, which pack_q4_group_block packs without decoding.
 template <int64_t type>
 inline void decode_block(const uint8_t* b, DecodedBlock& out) {
+  static_assert(type != kQ4_0 && type != kQ4_1);
   switch (type) {
-    case kQ4_0:
-    case kQ4_1: {
-      const uint8_t* qs = b + (type == kQ4_0 ? 2 : 4);
-      for (int j = 0; j < 16; ++j) out.q[j] = qs[j] & 0x0F, out.q[j + 16] = qs[j] >> 4;
-      out.d[0] = read_u16(b);
-      if (type == kQ4_1) out.m[0] = read_u16(b + 2);
-      return;
-    }
     case kQ8_0:
       std::memcpy(out.q, b + 2, 32);
       out.d[0] = read_u16(b);
@@ -215,10 +209,6 @@ void pack_q4_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows
 template <int64_t type>
 void pack_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
                       const Packed& out) {
-  if constexpr (type == kQ4_0 || type == kQ4_1) {
-    pack_q4_group_block<type>(src, row_bytes, num_rows, K, G, i, out);
-    return;
-  }
   constexpr Format f = format_of(type);
   constexpr int64_t kChunks = chunks_per_block(f.bits), kScales = f.block_weights / f.scale_weights;
   constexpr int64_t kBlocks32 = f.block_weights / kBlock, kScaleSize = f.super ? 1 : 2;
@@ -285,9 +275,14 @@ void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
   constexpr Format f = format_of(type);
   const int64_t row_bytes = K / f.block_weights * f.block_bytes, groups = (rows + kGroup - 1) / kGroup;
   parallel_chunks(groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t G = begin; G < end; ++G)
-      for (int64_t i = 0; i < K / f.block_weights; ++i)
-        pack_group_block<type>(src + G * kGroup * row_bytes, row_bytes, std::min(kGroup, rows - G * kGroup), K, G, i, out);
+    for (int64_t G = begin; G < end; ++G) {
+      const uint8_t* group = src + G * kGroup * row_bytes;
+      const int64_t num_rows = std::min(kGroup, rows - G * kGroup);
+      for (int64_t i = 0; i < K / f.block_weights; ++i) {
+        if constexpr (type == kQ4_0 || type == kQ4_1) pack_q4_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
+        else pack_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
+      }
+    }
   });
 }
 
