@@ -12,9 +12,10 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx  # imported where a client is made: `serval serve` builds its parser from this module too
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -58,6 +59,8 @@ def base_url(url: str) -> str:
 
 class APIClient:
     def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url(url), headers=headers, timeout=timeout_s)
 
@@ -75,6 +78,8 @@ class APIClient:
         """POST a streaming request to /v1/chat/completions or /v1/completions, folded into `answer` (which
         holds what came when Ctrl+C interrupts); `on_piece` sees every piece as it arrives. Leaving early
         closes the connection, which cancels the request."""
+        import httpx
+
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         answer = Answer() if answer is None else answer
         start = time.monotonic()
@@ -110,6 +115,8 @@ class APIClient:
             answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
 
     def _send(self, method: str, path: str) -> httpx.Response:
+        import httpx
+
         try:
             response = self.http.request(method, path)
         except httpx.HTTPError as e:

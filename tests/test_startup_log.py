@@ -19,6 +19,7 @@ def test_the_first_compile_is_announced_with_the_cpu_features(monkeypatch, caplo
     monkeypatch.delenv("SERVAL_KERNEL_VARIANT", raising=False)
     monkeypatch.setattr(kernels, "_build_directory_exists", lambda name: False)
     monkeypatch.setattr(kernels, "_remove_stale_build_lock", lambda name: None)
+    monkeypatch.setattr(kernels, "_load_recorded_build", lambda name, key: None)
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: built)
     with caplog.at_level(logging.INFO, logger=kernels.__name__):
         assert kernels.load_cpu_kernels("portable") is built

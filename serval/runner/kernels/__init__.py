@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 
@@ -141,6 +143,76 @@ def quantized_matmul(kernels, int8_batch_activations: bool):
     return functools.partial(kernels.quantized_linear, int8_batch_activations=True)
 
 
+# Written beside a build once torch has loaded it: the digest of everything the build was made from.
+_BUILD_RECORD = "serval_build_key"
+
+
+def _build_key(variant: Variant) -> str:
+    """A digest of the sources, headers, flags and toolchain versions a variant's build is made from."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *_HEADERS):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    digest.update(" ".join(compile_flags(variant)).encode())
+    digest.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
+    return digest.hexdigest()
+
+
+def _expected_build_directory(name: str) -> str:
+    """Where torch's JIT builder puts `name` (torch.utils.cpp_extension._get_build_directory), worked out
+    without importing that module: it imports setuptools, a quarter of a second of every start. Should
+    torch ever place builds elsewhere, no record is found here and loading takes torch's way."""
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(
+            os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+            f"{python}_{accelerator}",
+        )
+    return os.path.join(root, name)
+
+
+def _load_recorded_build(name: str, key: str):
+    """The module of a build torch made and loaded before from exactly these sources and flags (its record
+    holds `key`), imported directly; None when there is no such build (then torch's builder decides)."""
+    directory = _expected_build_directory(name)
+    library = os.path.join(directory, f"{name}.so")
+    try:
+        with open(os.path.join(directory, _BUILD_RECORD), encoding="utf-8") as f:
+            if f.read().strip() != key or not os.path.isfile(library):
+                return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record_build(module, key: str) -> None:
+    library = getattr(module, "__file__", None)
+    if library is None:
+        return
+    directory = os.path.dirname(os.path.realpath(library))
+    temporary = os.path.join(directory, f"{_BUILD_RECORD}.{os.getpid()}")
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(key)
+        os.replace(temporary, os.path.join(directory, _BUILD_RECORD))  # readers never see half a key
+    except OSError as e:  # a read-only cache still works, only without the shortcut
+        logger.debug("could not record the kernel build in %s: %s", directory, e)
+
+
 def _build_directory_exists(name: str) -> bool:
     from torch.utils.cpp_extension import _get_build_directory
 
@@ -203,6 +275,10 @@ def load_cpu_kernels(variant: str | None = None):
         )
     module_name = f"serval_cpu_kernels_{chosen.name}"
     try:
+        key = _build_key(chosen)
+        recorded = _load_recorded_build(module_name, key)
+        if recorded is not None:
+            return recorded
         from torch.utils.cpp_extension import load
 
         _remove_stale_build_lock(module_name)
@@ -227,6 +303,7 @@ def load_cpu_kernels(variant: str | None = None):
         )
         if first_build:
             logger.info("native CPU kernels compiled in %.0f s", time.perf_counter() - start)
+        _record_build(module, key)
         return module
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", e)

@@ -31,13 +31,14 @@ import socket
 import stat
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 from urllib.parse import urljoin, urlsplit
-
-import httpx
 
 from serval.serving.errors import ServerBusyError
 from serval.serving.media.limits import MediaConfig
+
+if TYPE_CHECKING:
+    import httpx  # imported where a fetch starts: a server that never fetches skips its ~50 ms import
 from serval.serving.media.parts import MediaError, MediaSource
 
 # host, port -> the addresses it resolves to (tests map names to the addresses they need).
@@ -225,6 +226,8 @@ class MediaFetcher:
 
     @contextlib.asynccontextmanager
     async def _request(self, url: str, param: str) -> AsyncIterator[httpx.Response]:
+        import httpx
+
         pinned, host_header, server_name = await self.check_url(url, param)
         config = self.config
         timeout = httpx.Timeout(config.read_timeout, connect=config.connect_timeout)
@@ -251,6 +254,8 @@ class MediaFetcher:
                 await response.aclose()
 
     async def _read_body(self, response: httpx.Response, source: MediaSource, param: str) -> BinaryIO:
+        import httpx
+
         cap = source.max_bytes
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):

@@ -1,0 +1,63 @@
+"""Later starts load the kernels torch built before straight from its build directory, skipping torch's JIT
+builder (and the setuptools import it costs), but only when the build was made from exactly these sources
+and flags; anything else goes through torch's builder as before."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from serval.runner import kernels
+from tests.fixtures.kernels import require_kernels
+
+
+def test_a_recorded_build_loads_without_torchs_builder():
+    built = require_kernels()
+    name = f"serval_cpu_kernels_{built.variant}"
+    directory = os.path.dirname(os.path.realpath(built.__file__))
+    assert os.path.realpath(kernels._expected_build_directory(name)) == directory
+    with open(os.path.join(directory, kernels._BUILD_RECORD), encoding="utf-8") as f:
+        assert f.read() == kernels._build_key(kernels.variant_named(built.variant))
+    probe = (
+        "import sys; from serval.runner.kernels import load_cpu_kernels; m = load_cpu_kernels();"
+        " print(m.variant, m.__file__, 'torch.utils.cpp_extension' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SERVAL_KERNEL_VARIANT"}
+    env["SERVAL_KERNEL_VARIANT"] = built.variant
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    variant, library, imported_builder = out.stdout.split()
+    assert (variant, os.path.realpath(library), imported_builder) == (
+        built.variant,
+        os.path.realpath(built.__file__),
+        "False",
+    )
+
+
+def test_a_build_recorded_for_other_sources_goes_through_torchs_builder(tmp_path, monkeypatch):
+    name = "serval_cpu_kernels_portable"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"not a library")
+    (tmp_path / name / kernels._BUILD_RECORD).write_text("0" * 64)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("SERVAL_DISABLE_NATIVE_KERNELS", raising=False)
+    assert kernels._expected_build_directory(name) == str(tmp_path / name)
+    key = kernels._build_key(kernels.variant_named("portable"))
+    assert kernels._load_recorded_build(name, key) is None
+    calls = []
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: calls.append(kwargs) or "built")
+    assert kernels.load_cpu_kernels("portable") == "built"
+    assert [c["name"] for c in calls] == [name]
+
+
+@pytest.mark.parametrize("edit", ["source", "flags"])
+def test_the_key_changes_with_the_sources_and_the_flags(edit, monkeypatch):
+    variant = kernels.variant_named("portable")
+    before = kernels._build_key(variant)
+    if edit == "flags":
+        monkeypatch.setattr(kernels, "BASE_CFLAGS", (*kernels.BASE_CFLAGS, "-DEXTRA"))
+    else:
+        monkeypatch.setattr(kernels, "SOURCES", kernels.SOURCES[1:])
+    assert kernels._build_key(variant) != before
