@@ -1,6 +1,8 @@
-"""Greedy agreement of the bf16 path with fp32 on the engine test prompts: how many leading tokens match.
+"""Greedy agreement of a compared path (bf16, the packed weights, int8 batch activations) with dense fp32 on
+the engine test prompts: how many leading tokens match.
 
 .venv/bin/python bench/fidelity.py --max-tokens 32
+.venv/bin/python bench/fidelity.py --dtype auto --batch-activations int8 [--as-cpu-without-bf16]
 """
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ def main() -> None:
     parser.add_argument(
         "--batch-activations", default="float32", help="of the compared path (int8: see configuration.md)"
     )
+    parser.add_argument(
+        "--as-cpu-without-bf16",
+        action="store_true",
+        help="resolve --dtype auto as on a CPU without native bf16 (fp32 over the packed weights), on any CPU",
+    )
     args = parser.parse_args()
+    if args.as_cpu_without_bf16:
+        from serval.runner import runner
+
+        runner.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     reference = [o.outputs[0].token_ids for o in LLM(args.model, dtype="float32").generate(PROMPTS, params)]
     compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
@@ -55,6 +66,7 @@ def main() -> None:
                 "summary": f"{identical}/{len(PROMPTS)} prompts identical for {args.max_tokens} tokens",
                 "dtype": args.dtype,
                 "batch_activations": args.batch_activations,
+                "as_cpu_without_bf16": args.as_cpu_without_bf16,
             }
         )
     )

@@ -4,7 +4,7 @@
 // products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
 // the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
 // path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
-// Opt-in (`--batch-activations int8`): the default keeps the exact tiles.
+// Opt-in (`--batch-activations int8`): the default keeps the exact tiles. Outlier channels stay exact (below).
 //
 // For one packed group (16 output rows), scale block s (32 weights) and a few rows of x: each 32-byte half of
 // a chunk, masked to its low or high nibbles, holds 2 consecutive weights of each of the 16 rows as byte
@@ -17,6 +17,85 @@ using namespace serval_kernels;
 using namespace serval_kernels::quantized;
 
 namespace {
+
+#if defined(__AVX2__)
+// Outliers. Some models' activations hold values tens of times larger than the rest of their row (SmolLM2's
+// do, in a few channels); rounded to int8 with its block, such a value leaves the block's other 31 a level or
+// two each, which flipped most greedy answers of the default model within 32 tokens. A value past
+// kOutlierRatio times its row's RMS is therefore taken out of the int8 rows and multiplied exactly, its
+// column's weights dequantized a group at a time: ~90 values a matmul of a 128-row prefill of the default
+// model, ~60 of a random-weight 1B. (At 6x the default model's fidelity was better still, but the random
+// 1B's heavy-tailed SwiGLU outputs gave ~480 columns a matmul, and its prefill took 30-40% longer.)
+constexpr float kOutlierRatio = 10.0f;
+
+struct Outlier {
+  int64_t column, row;
+  float value;
+};
+
+// x's outliers (ordered by column, so each column's weights are dequantized once a group), and the rest of
+// x rounded to int8 per block with the outliers taken as 0.
+struct Int8Split {
+  std::vector<Outlier> outliers;
+  QuantizedRows<int8_t> rows;
+};
+
+inline Int8Split split_for_int8(const float* x, int64_t M, int64_t K) {
+  std::vector<Outlier> outliers;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = x + r * K;
+    float squares = 0.0f;
+    for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
+    const float bound = kOutlierRatio * kOutlierRatio * squares / static_cast<float>(K);
+    for (int64_t k = 0; k < K; ++k)
+      if (row[k] * row[k] > bound) outliers.push_back({k, r, row[k]});
+  }
+  QuantizedRows<int8_t> rows = quantize_rows<int8_t>(x, M, K);
+  // Each block holding an outlier is rounded again without it (a handful of blocks: no copy of x).
+  const int64_t num_blocks = K / kBlock;
+  std::vector<int64_t> blocks;  // row * num_blocks + block, ascending
+  for (const Outlier& o : outliers) blocks.push_back(o.row * num_blocks + o.column / kBlock);
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());  // outliers come in row, column order
+  for (const int64_t i : blocks) {
+    float xb[kBlock];
+    std::memcpy(xb, x + i * kBlock, sizeof(xb));
+    for (const Outlier& o : outliers)
+      if (o.row * num_blocks + o.column / kBlock == i) xb[o.column % kBlock] = 0.0f;
+    const QuantizedRows<int8_t> block = quantize_rows<int8_t>(xb, 1, kBlock);
+    std::memcpy(rows.codes.data() + i * kBlock, block.codes.data(), kBlock);
+    rows.scales[i] = block.scales[0];
+    rows.sums[i] = block.sums[0];
+  }
+  std::sort(outliers.begin(), outliers.end(), [](const Outlier& a, const Outlier& b) { return a.column < b.column; });
+  return {std::move(outliers), std::move(rows)};
+}
+
+// Weight k of group G's 16 rows, as the file holds it: w = d q + m (the 4-bit layouts; byte layout in
+// quantized.h: weight 8c + 4n + 2h + e of a block is nibble n of byte (h, r, e) of chunk c).
+template <Layout L>
+inline void column_weights(const PackedMatrix& w, int64_t G, int64_t k, float* out) {
+  alignas(64) float d[kGroup], m[kGroup];
+  const int64_t s = k / kBlock, i = k % kBlock;
+  block_scales<L>(w, G, s, d, m);
+  const int c = static_cast<int>(i / 8), n = static_cast<int>(i % 8 / 4), h = static_cast<int>(i % 4 / 2),
+            e = static_cast<int>(i % 2);
+  const uint8_t* bytes = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes + h * 32 + e;
+  for (int r = 0; r < kGroup; ++r) out[r] = d[r] * static_cast<float>((bytes[2 * r] >> (4 * n)) & 0x0F) + m[r];
+}
+
+// out[r][16 G + n] += the outliers' exact products with group G's 16 rows.
+template <Layout L>
+void add_outlier_products(const PackedMatrix& w, int64_t G, const std::vector<Outlier>& outliers, float* out,
+                          int64_t out_stride) {
+  alignas(64) float weights[kGroup];
+  int64_t column = -1;
+  for (const Outlier& o : outliers) {
+    if (o.column != column) column_weights<L>(w, G, column = o.column, weights);
+    float* y = out + o.row * out_stride + G * kGroup;
+    for (int r = 0; r < kGroup; ++r) y[r] += o.value * weights[r];
+  }
+}
+#endif
 
 #if defined(__AVX512VNNI__)
 constexpr int kPassRows = 8;  // rows of x per pass: their 16 sums and 16 outputs in registers
@@ -90,11 +169,14 @@ template <Layout L>
 void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
   static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
-  const Int8Rows xq = quantize_rows<int8_t>(x, M, w.K);
+  const Int8Split split = split_for_int8(x, M, w.K);
+  const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t G = begin; G < end; ++G)
+    for (int64_t G = begin; G < end; ++G) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
+      add_outlier_products<L>(w, G, split.outliers, out, out_stride);
+    }
   }, Schedule::kDynamic);
 }
 #elif defined(__AVX2__)
@@ -162,7 +244,8 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
                  int64_t out_stride) {
   static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
-  const Int8Rows xq = quantize_rows<int8_t>(x, M, K);
+  const Int8Split split = split_for_int8(x, M, K);
+  const Int8Rows& xq = split.rows;
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kGroup);
     for (int64_t G = begin; G < end; ++G) {
@@ -176,6 +259,7 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
       }
       for (int64_t r = 0; r < M; ++r)
         std::memcpy(out + r * out_stride + G * kGroup, acc.data() + r * kGroup, kGroup * sizeof(float));
+      add_outlier_products<L>(w, G, split.outliers, out, out_stride);
     }
   }, Schedule::kDynamic);
 }
