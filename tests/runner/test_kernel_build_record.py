@@ -61,3 +61,13 @@ def test_the_key_changes_with_the_sources_and_the_flags(edit, monkeypatch):
     else:
         monkeypatch.setattr(kernels, "SOURCES", kernels.SOURCES[1:])
     assert kernels._build_key(variant) != before
+
+
+def test_a_recorded_build_that_does_not_import_goes_through_torchs_builder(tmp_path, monkeypatch):
+    name = "serval_cpu_kernels_portable"
+    key = kernels._build_key(kernels.variant_named("portable"))
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"not a library")  # a damaged build with a matching record
+    (tmp_path / name / kernels._BUILD_RECORD).write_text(key)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert kernels._load_recorded_build(name, key) is None

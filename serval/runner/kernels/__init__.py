@@ -193,9 +193,13 @@ def _load_recorded_build(name: str, key: str):
                 return None
     except OSError:
         return None
-    spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:  # a damaged library: torch's builder rebuilds it
+        logger.debug("the recorded kernel build %s did not import (%s); rebuilding", library, e)
+        return None
     return module
 
 
