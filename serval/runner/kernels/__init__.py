@@ -197,8 +197,8 @@ def _load_recorded_build(name: str, key: str):
         spec = importlib.util.spec_from_file_location(name, library)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except ImportError as e:  # a damaged library: torch's builder rebuilds it
-        logger.debug("the recorded kernel build %s did not import (%s); rebuilding", library, e)
+    except ImportError as e:  # a damaged library: torch's builder decides what to rebuild
+        logger.debug("recorded kernel build %s did not import (%s); using torch's builder", library, e)
         return None
     return module
 
