@@ -159,7 +159,7 @@ def _reference(
 ) -> torch.Tensor:
     """What the integer kernels compute: x rounded per block of 32 to int16 (levels 32767: the few-row
     path) or int8 (127: --batch-activations int8 over 4-bit codes) times d q, plus m * sum(x_b) with the
-    exact x (offsets: m per row and block of 32). The int8 path keeps outliers (values past 6x their row's
+    exact x (offsets: m per row and block of 32). The int8 path keeps outliers (values past 10x their row's
     RMS) exact and rounds the rest of their blocks without them."""
     m, k = x.shape
     x = x.float()

@@ -4,7 +4,7 @@
 // products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
 // the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
 // path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
-// Opt-in (`--batch-activations int8`): the default keeps the exact tiles. Outlier channels stay exact (below).
+// Opt-in (`--batch-activations int8`): the default keeps the exact tiles. Outliers stay exact (below).
 //
 // For one packed group (16 output rows), scale block s (32 weights) and a few rows of x: each 32-byte half of
 // a chunk, masked to its low or high nibbles, holds 2 consecutive weights of each of the 16 rows as byte
@@ -51,16 +51,15 @@ inline Int8Split split_for_int8(const float* x, int64_t M, int64_t K) {
       if (row[k] * row[k] > bound) outliers.push_back({k, r, row[k]});
   }
   QuantizedRows<int8_t> rows = quantize_rows<int8_t>(x, M, K);
-  // Each block holding an outlier is rounded again without it (a handful of blocks: no copy of x).
+  // Each block holding an outlier is rounded again without it (a handful of blocks: no copy of x). The
+  // outliers come in row, column order, so a block's outliers are consecutive.
   const int64_t num_blocks = K / kBlock;
-  std::vector<int64_t> blocks;  // row * num_blocks + block, ascending
-  for (const Outlier& o : outliers) blocks.push_back(o.row * num_blocks + o.column / kBlock);
-  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());  // outliers come in row, column order
-  for (const int64_t i : blocks) {
+  const auto block_of = [&](const Outlier& o) { return o.row * num_blocks + o.column / kBlock; };
+  for (size_t j = 0; j < outliers.size();) {
+    const int64_t i = block_of(outliers[j]);
     float xb[kBlock];
     std::memcpy(xb, x + i * kBlock, sizeof(xb));
-    for (const Outlier& o : outliers)
-      if (o.row * num_blocks + o.column / kBlock == i) xb[o.column % kBlock] = 0.0f;
+    for (; j < outliers.size() && block_of(outliers[j]) == i; ++j) xb[outliers[j].column % kBlock] = 0.0f;
     const QuantizedRows<int8_t> block = quantize_rows<int8_t>(xb, 1, kBlock);
     std::memcpy(rows.codes.data() + i * kBlock, block.codes.data(), kBlock);
     rows.scales[i] = block.scales[0];

@@ -36,10 +36,10 @@ from urllib.parse import urljoin, urlsplit
 
 from serval.serving.errors import ServerBusyError
 from serval.serving.media.limits import MediaConfig
+from serval.serving.media.parts import MediaError, MediaSource
 
 if TYPE_CHECKING:
     import httpx  # imported where a fetch starts: a server that never fetches skips its ~50 ms import
-from serval.serving.media.parts import MediaError, MediaSource
 
 # host, port -> the addresses it resolves to (tests map names to the addresses they need).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
