@@ -71,3 +71,36 @@ def test_a_recorded_build_that_does_not_import_goes_through_torchs_builder(tmp_p
     (tmp_path / name / kernels._BUILD_RECORD).write_text(key)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert kernels._load_recorded_build(name, key) is None
+
+
+def test_the_default_build_directory_is_torchs_in_a_fresh_process(tmp_path):
+    """Without TORCH_EXTENSIONS_DIR (CI's case, and most users') the directory comes from torch's per-user
+    cache; worked out in a process that has not imported torch's builder, it must be the one the builder
+    uses."""
+    probe = (
+        "import sys; from serval.runner.kernels import _expected_build_directory;"
+        " expected = _expected_build_directory('serval_probe');"
+        " assert 'torch.utils.cpp_extension' not in sys.modules;"
+        " from torch.utils.cpp_extension import _get_build_directory;"
+        " print(expected); print(_get_build_directory('serval_probe', verbose=False))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    expected, torchs = out.stdout.split()
+    assert os.path.realpath(expected) == os.path.realpath(torchs)
+    assert os.path.realpath(expected).startswith(os.path.realpath(tmp_path))
+
+
+def test_a_failing_shortcut_leaves_the_build_to_torch(monkeypatch):
+    def unknown_layout(name):
+        raise AttributeError("a torch that keeps its builds elsewhere")
+
+    monkeypatch.setattr(kernels, "_expected_build_directory", unknown_layout)
+    monkeypatch.delenv("SERVAL_DISABLE_NATIVE_KERNELS", raising=False)
+    calls = []
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: calls.append(kwargs) or "built")
+    monkeypatch.setattr(kernels, "_remove_stale_build_lock", lambda name: None)
+    monkeypatch.setattr(kernels, "_build_directory_exists", lambda name: True)
+    assert kernels.load_cpu_kernels("portable") == "built"
+    assert [c["name"] for c in calls] == ["serval_cpu_kernels_portable"]

@@ -165,6 +165,7 @@ def _expected_build_directory(name: str) -> str:
     without importing that module: it imports setuptools, a quarter of a second of every start. Should
     torch ever place builds elsewhere, no record is found here and loading takes torch's way."""
     import torch
+    from torch import _appdirs  # not imported by `import torch`: only cpp_extension imports it
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
@@ -176,7 +177,7 @@ def _expected_build_directory(name: str) -> str:
             accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(
-            os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+            os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
             f"{python}_{accelerator}",
         )
     return os.path.join(root, name)
@@ -184,8 +185,13 @@ def _expected_build_directory(name: str) -> str:
 
 def _load_recorded_build(name: str, key: str):
     """The module of a build torch made and loaded before from exactly these sources and flags (its record
-    holds `key`), imported directly; None when there is no such build (then torch's builder decides)."""
-    directory = _expected_build_directory(name)
+    holds `key`), imported directly; None when there is no such build (then torch's builder decides).
+    The shortcut only saves time, so any failure of it leaves the decision to torch's builder too."""
+    try:
+        directory = _expected_build_directory(name)
+    except Exception as e:  # noqa: BLE001 - a torch that lays out its cache differently
+        logger.debug("cannot tell where torch keeps kernel builds (%s); using torch's builder", e)
+        return None
     library = os.path.join(directory, f"{name}.so")
     try:
         with open(os.path.join(directory, _BUILD_RECORD), encoding="utf-8") as f:
