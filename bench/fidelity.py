@@ -1,5 +1,12 @@
-"""Greedy agreement of a compared path (bf16, the packed weights, int8 batch activations) with dense fp32 on
-the engine test prompts: how many leading tokens match.
+"""Fidelity of a compared path (bf16, the packed weights, int8 batch activations) to dense fp32 on the engine
+test prompts, two ways:
+- greedy agreement: each path generates on its own; how many leading tokens match. Brittle: one near-tie
+  flipped early changes all that follows, so it counts flips more than it measures how far apart the paths are.
+- teacher-forced divergence: both paths read the same tokens (the prompt, then fp32's greedy answer), batched
+  as generation batches them (one prefill of every prompt, then decode steps of one row per prompt), and at
+  every position the compared path's next-token distribution is held against fp32's: KL(fp32 || compared)
+  and whether their top tokens agree. This measures the distance itself, as llama.cpp's perplexity tool does
+  for quantization formats.
 
 .venv/bin/python bench/fidelity.py --max-tokens 32
 .venv/bin/python bench/fidelity.py --dtype auto --batch-activations int8 [--as-cpu-without-bf16]
@@ -9,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
+
+import torch
 
 from serval import LLM, SamplingParams
 
@@ -25,6 +35,74 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
             break
         count += 1
     return count
+
+
+def teacher_forced_log_probs(
+    llm: LLM, prompts: list[list[int]], answers: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per prompt, (len(answer), vocab) log-probabilities of the next token after the prompt and after each
+    answer token but the last, computed with the answers fed in (not sampled). Drives the runner directly, on
+    KV blocks the engine is done with (call it after the engine's own generation, not before another)."""
+    from serval.runner.batch import Batch
+
+    runner = llm.engine.runner
+    tables, first_free = [], 0
+    for prompt, answer in zip(prompts, answers):
+        blocks = -(-(len(prompt) + len(answer)) // runner.block_size)
+        tables.append(list(range(first_free, first_free + blocks)))
+        first_free += blocks
+    if first_free > runner.num_blocks:
+        raise SystemExit(
+            f"the KV cache has {runner.num_blocks} blocks; the prompts and answers need {first_free}"
+        )
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    everyone = list(range(len(prompts)))
+    logits = runner.compute_logits(
+        Batch(
+            [t for p in prompts for t in p],
+            [len(p) for p in prompts],
+            [0] * len(prompts),
+            tables,
+            everyone,
+            [],
+        )
+    )
+    for i, row in zip(everyone, logits):
+        rows[i].append(torch.log_softmax(row.float(), -1))
+    for step in range(max(map(len, answers)) - 1):
+        going = [i for i in everyone if step + 1 < len(answers[i])]
+        logits = runner.compute_logits(
+            Batch(
+                [answers[i][step] for i in going],
+                [1] * len(going),
+                [len(prompts[i]) + step for i in going],
+                [tables[i] for i in going],
+                list(range(len(going))),
+                [],
+            )
+        )
+        for i, row in zip(going, logits):
+            rows[i].append(torch.log_softmax(row.float(), -1))
+    return [torch.stack(r) for r in rows]
+
+
+def divergence(reference: list[torch.Tensor], compared: list[torch.Tensor]) -> dict:
+    """KL(reference || compared) in nats at every position, and how often the two top tokens agree."""
+    kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(reference, compared)])
+    # bf16 logits tie often: agreement is the reference's top token being among the compared path's best
+    top = torch.cat(
+        [
+            c.gather(-1, r.argmax(-1, keepdim=True))[:, 0] == c.max(-1).values
+            for r, c in zip(reference, compared)
+        ]
+    )
+    return {
+        "positions": kl.numel(),
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(kl.quantile(0.99)),
+        "kl_max": float(kl.max()),
+        "top_token_agreement": float(top.float().mean()),
+    }
 
 
 def main() -> None:
@@ -48,9 +126,15 @@ def main() -> None:
 
         runner.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    reference = [o.outputs[0].token_ids for o in LLM(args.model, dtype="float32").generate(PROMPTS, params)]
+    reference_llm = LLM(args.model, dtype="float32")
+    reference_outputs = reference_llm.generate(PROMPTS, params)
+    reference = [o.outputs[0].token_ids for o in reference_outputs]
+    prompt_ids = [o.prompt_token_ids for o in reference_outputs]
+    reference_log_probs = teacher_forced_log_probs(reference_llm, prompt_ids, reference)
+    del reference_llm
     compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
     other = [o.outputs[0].token_ids for o in compared.generate(PROMPTS, params)]
+    distance = divergence(reference_log_probs, teacher_forced_log_probs(compared, prompt_ids, reference))
     for prompt, ref, got in zip(PROMPTS, reference, other):
         n = leading_agreement(ref, got)
         print(
@@ -64,6 +148,11 @@ def main() -> None:
         json.dumps(
             {
                 "summary": f"{identical}/{len(PROMPTS)} prompts identical for {args.max_tokens} tokens",
+                "mean_agreeing_tokens": sum(map(leading_agreement, reference, other)) / len(PROMPTS),
+                **{
+                    k: round(v, 6) if isinstance(v, float) and math.isfinite(v) else v
+                    for k, v in distance.items()
+                },
                 "dtype": args.dtype,
                 "batch_activations": args.batch_activations,
                 "as_cpu_without_bf16": args.as_cpu_without_bf16,

@@ -177,12 +177,17 @@ inline __m512i nibble_codes(__m512i nibbles, __m512i high, int c, int n) {
 #endif
 
 // Rows of x quantized per block of 32 to Code (int16_t: the few-row path; int8_t: --batch-activations
-// int8), each block with scale d = max|x_b| / Code's largest value and its exact sum (the offset term).
+// int8), each block with scale d = max|x_b| / Code's largest value and the sum of its rounded values, for
+// the offset term: y_b = d_w dot(q, x_b) + m sum(x_b) is then exactly the product of the file's weights
+// (d_w q + m) with the rounded x, whose error is the rounding times those weights. With the exact sum of
+// x_b instead, the error is the rounding times d_w q alone: for Q4_1, whose q is 0..15 and m the block's
+// minimum, weights shifted all one way, which measured 1.5-3x the error per matmul with int8 x (the
+// default model's prefill) and 3x llama.cpp's divergence from fp32 (docs/benchmarks.md).
 template <typename Code>
 struct QuantizedRows {
   std::vector<Code> codes;   // (M, K) round(x / d)
   std::vector<float> scales;  // (M, K / 32) d
-  std::vector<float> sums;    // (M, K / 32) sum of x_b
+  std::vector<float> sums;    // (M, K / 32) d * sum of codes: the sum of the rounded x_b
 };
 
 // x: float or at::BFloat16 (a bf16 model's activations are read as they are, not copied to fp32 first).
@@ -194,15 +199,16 @@ QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
   for (int64_t i = 0; i < M * num_blocks; ++i) {
     float xb[kBlock];
     for (int64_t j = 0; j < kBlock; ++j) xb[j] = to_float(x[i * kBlock + j]);
-    float amax = 0.0f, sum = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) q.codes[i * kBlock + j] = static_cast<Code>(std::nearbyint(xb[j] * inv));
+    int32_t code_sum = 0;  // at most 32 x 32767: no overflow
+    for (int64_t j = 0; j < kBlock; ++j) {
+      q.codes[i * kBlock + j] = static_cast<Code>(std::nearbyint(xb[j] * inv));
+      code_sum += q.codes[i * kBlock + j];
+    }
     q.scales[i] = amax / kLevels;
-    q.sums[i] = sum;
+    q.sums[i] = q.scales[i] * static_cast<float>(code_sum);
   }
   return q;
 }

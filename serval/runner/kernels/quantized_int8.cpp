@@ -10,7 +10,8 @@
 // a chunk, masked to its low or high nibbles, holds 2 consecutive weights of each of the 16 rows as byte
 // pairs (quantized.h), so VPMADDUBSW against x's matching 2 bytes, broadcast, gives one int16 per row.
 // 8 pairs sum in int16 without overflow (8 x 2 x 15 x 127 < 32767), so a block is two int16 sums a row,
-// widened once: y += d dx dot(q, xq) + m sum(x_b) in fp32, the sum of x exact as on the few-row path.
+// widened once: y += d dx dot(q, xq) + m sum(x_b) in fp32, sum(x_b) of the rounded x as on the few-row
+// path (quantized.h says why).
 #include "quantized.h"
 
 using namespace serval_kernels;

@@ -20,8 +20,8 @@
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions but flipped the greedy
 // output of 15 of the 16 fidelity prompts within 32 tokens on the default model: its activations have
-// outlier channels that take the whole 8-bit range of their block.) The offset term uses the exact sum of
-// each block of x.
+// outlier channels that take the whole 8-bit range of their block.) The offset term uses the sum of the
+// block's rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
 using namespace serval_kernels;
