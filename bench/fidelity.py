@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", help="the path compared with float32")
     parser.add_argument(
-        "--batch-activations", default="float32", help="of the compared path (int8: see configuration.md)"
+        "--batch-activations", default="int8", help="of the compared path (default: the server's, int8)"
     )
     parser.add_argument(
         "--as-cpu-without-bf16",

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=100)
     parser.add_argument("--dtype", default="auto", help="serval's compared path")
-    parser.add_argument("--batch-activations", default="float32")
+    parser.add_argument("--batch-activations", default="int8")
     args = parser.parse_args()
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

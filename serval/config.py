@@ -26,9 +26,10 @@ class ModelConfig:
     # uses 1 (same median latency as 2 threads on 2 cores, lower p99: docs/benchmarks.md).
     single_sequence_threads: int = 0
     # How matmuls over packed 4-bit weights take a batch of more than 8 rows (prefill, large decode
-    # batches): "float32", exact products of the file's weights; "int8", x rounded per block of 32 as
-    # llama.cpp does (twice the products an instruction on AVX2; greedy output may drift from fp32's).
-    batch_activations: str = "float32"
+    # batches): "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products
+    # an instruction of the exact paths; teacher-forced divergence from fp32 on the default model below
+    # llama.cpp's own, docs/benchmarks.md); "float32", exact products of the file's weights.
+    batch_activations: str = "int8"
 
     def __post_init__(self) -> None:
         if self.batch_activations not in ("float32", "int8"):

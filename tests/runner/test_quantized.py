@@ -379,7 +379,13 @@ def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
         return dequantize(data, qtype, shape)
 
     monkeypatch.setattr("serval.runner.loader.gguf.dequantize", spy)
-    auto = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=32)))
+    # The exact paths (int16 x for decode, fp32 tiles for prefill): int8 batches are tested in
+    # test_weight_formats.py::test_int8_batch_activations_stay_near_the_exact_path.
+    auto = Engine(
+        EngineConfig(
+            model=ModelConfig(model=path, batch_activations="float32"), cache=CacheConfig(num_blocks=32)
+        )
+    )
     info = auto.runner.info
     assert info.dtype == "float32" and info.packed_weights and info.kernel_variant == kernels.variant
     model = auto.runner.model
