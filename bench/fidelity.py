@@ -20,11 +20,10 @@ import math
 import pathlib
 import sys
 
-import torch
-
 from serval import LLM, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # for the shared prompts
+from tests.fixtures.fidelity import divergence, teacher_forced_log_probs
 from tests.fixtures.prompts import PROMPTS
 
 
@@ -35,74 +34,6 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
             break
         count += 1
     return count
-
-
-def teacher_forced_log_probs(
-    llm: LLM, prompts: list[list[int]], answers: list[list[int]]
-) -> list[torch.Tensor]:
-    """Per prompt, (len(answer), vocab) log-probabilities of the next token after the prompt and after each
-    answer token but the last, computed with the answers fed in (not sampled). Drives the runner directly, on
-    KV blocks the engine is done with (call it after the engine's own generation, not before another)."""
-    from serval.runner.batch import Batch
-
-    runner = llm.engine.runner
-    tables, first_free = [], 0
-    for prompt, answer in zip(prompts, answers):
-        blocks = -(-(len(prompt) + len(answer)) // runner.block_size)
-        tables.append(list(range(first_free, first_free + blocks)))
-        first_free += blocks
-    if first_free > runner.num_blocks:
-        raise SystemExit(
-            f"the KV cache has {runner.num_blocks} blocks; the prompts and answers need {first_free}"
-        )
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    everyone = list(range(len(prompts)))
-    logits = runner.compute_logits(
-        Batch(
-            [t for p in prompts for t in p],
-            [len(p) for p in prompts],
-            [0] * len(prompts),
-            tables,
-            everyone,
-            [],
-        )
-    )
-    for i, row in zip(everyone, logits):
-        rows[i].append(torch.log_softmax(row.float(), -1))
-    for step in range(max(map(len, answers)) - 1):
-        going = [i for i in everyone if step + 1 < len(answers[i])]
-        logits = runner.compute_logits(
-            Batch(
-                [answers[i][step] for i in going],
-                [1] * len(going),
-                [len(prompts[i]) + step for i in going],
-                [tables[i] for i in going],
-                list(range(len(going))),
-                [],
-            )
-        )
-        for i, row in zip(going, logits):
-            rows[i].append(torch.log_softmax(row.float(), -1))
-    return [torch.stack(r) for r in rows]
-
-
-def divergence(reference: list[torch.Tensor], compared: list[torch.Tensor]) -> dict:
-    """KL(reference || compared) in nats at every position, and how often the two top tokens agree."""
-    kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(reference, compared)])
-    # bf16 logits tie often: agreement is the reference's top token being among the compared path's best
-    top = torch.cat(
-        [
-            c.gather(-1, r.argmax(-1, keepdim=True))[:, 0] == c.max(-1).values
-            for r, c in zip(reference, compared)
-        ]
-    )
-    return {
-        "positions": kl.numel(),
-        "kl_mean": float(kl.mean()),
-        "kl_p99": float(kl.quantile(0.99)),
-        "kl_max": float(kl.max()),
-        "top_token_agreement": float(top.float().mean()),
-    }
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import torch
 from serval import LLM, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # for the shared prompts
-from bench.fidelity import teacher_forced_log_probs
+from tests.fixtures.fidelity import teacher_forced_log_probs
 from tests.fixtures.prompts import PROMPTS
 
 
