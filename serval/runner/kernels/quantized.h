@@ -225,7 +225,8 @@ void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, 
                        float* out, int64_t out_stride);
 
 // The same with x rounded to int8 per block of 32 (quantized_int8.cpp): twice the products an instruction,
-// where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). Opt-in: --batch-activations int8.
+// where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). The default; --batch-activations
+// float32 turns it off.
 bool has_int8_rows(Layout layout);
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                       int64_t out_stride);

@@ -4,7 +4,9 @@
 // products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
 // the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
 // path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
-// Opt-in (`--batch-activations int8`): the default keeps the exact tiles. Outliers stay exact (below).
+// The default (`--batch-activations int8`; `float32` keeps the exact tiles): with outliers exact (below) and the
+// offset term summing the rounded x (quantized.h), its divergence from fp32 on the default model is below
+// llama.cpp's on the same file (docs/benchmarks.md).
 //
 // For one packed group (16 output rows), scale block s (32 weights) and a few rows of x: each 32-byte half of
 // a chunk, masked to its low or high nibbles, holds 2 consecutive weights of each of the 16 rows as byte

@@ -18,9 +18,9 @@
 // Each scale block's integer dot product is scaled once: y += d dx dot(q, xq) + m sum(x_b).
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
-// bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions but flipped the greedy
-// output of 15 of the 16 fidelity prompts within 32 tokens on the default model: its activations have
-// outlier channels that take the whole 8-bit range of their block.) The offset term uses the sum of the
+// bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
+// batches past kMaxRows with them by default, outliers kept exact, and leaves these few rows to int16,
+// where a batch-1 decode is bound by bytes, not instructions.) The offset term uses the sum of the
 // block's rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
