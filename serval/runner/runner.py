@@ -40,6 +40,9 @@ class RunnerInfo:
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
+    # How packed 4-bit matmuls take batches past 8 rows, in effect: "int8" (x rounded per block, the default
+    # where the kernels have it) or "float32" (exact products: asked for, or no packed weights or int8 kernel).
+    batch_activations: str = "float32"
     num_threads: int = 1  # per rank under tensor parallelism
     tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)
 
@@ -50,12 +53,17 @@ class RunnerInfo:
     def describe(self) -> str:
         """The one start-up line that says what is being served and how."""
         return (
-            f"{self.architecture}, weights {self.weight_format}{' (packed)' if self.packed_weights else ''},"
+            f"{self.architecture}, weights {self.weight_format}{self._packed_text()},"
             f" compute dtype {self.dtype} on {self.device},"
             f" CPU kernels {self.kernel_variant}, {self.num_threads} threads{self._parallel_text()},"
             f" KV cache {self.kv_cache_tokens}"
             f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
         )
+
+    def _packed_text(self) -> str:
+        if not self.packed_weights:
+            return ""
+        return " (packed, int8 batch activations)" if self.batch_activations == "int8" else " (packed)"
 
     def _parallel_text(self) -> str:
         return (
@@ -152,10 +160,13 @@ class ModelRunner:
         )
         self.kv_caches = self._allocate_kv_cache()
         self.decode_kernel = self.prefill_kernel = None
+        self.batch_activations = "float32"
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
             int8 = model_config.batch_activations == "int8"
+            # The portable build has no int8 path: its batches stay exact whatever was asked.
+            self.batch_activations = "int8" if int8 and kernels.variant != "portable" else "float32"
             use_native_kernels(self.model, kernels, int8)
             self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
         if tensor_parallel is not None:
@@ -186,6 +197,7 @@ class ModelRunner:
             weight_format="+".join(self.weight_formats),
             packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
+            batch_activations=self.batch_activations if self.has_packed_weights else "float32",
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
         )

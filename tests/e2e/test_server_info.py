@@ -34,6 +34,9 @@ def test_startup_line_says_what_runs(server):
     [line] = startup_lines(server)  # exactly one
     labels = model_info(server.base_url)
     assert f": model {server.model}: {labels['architecture']}, weights {labels['weight_format']}," in line
+    # --dtype float32: dense fp32 matmuls, so no int8 batches whatever the default (test_weight_formats.py
+    # checks the packed default's words).
+    assert labels["batch_activations"] == "float32" and "packed" not in line
     assert (
         f"compute dtype {labels['dtype']} on {labels['device']}, CPU kernels {labels['kernel_variant']},"
         in line

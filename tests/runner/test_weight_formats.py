@@ -166,6 +166,10 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
     exact = _engine(path, "auto")
     rounded = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=64)))
     assert rounded.config.model.batch_activations == "int8"  # the default
+    in_effect = "float32" if kernels.variant == "portable" else "int8"  # the portable build has no int8 path
+    assert rounded.runner.info.batch_activations == in_effect
+    assert ("(packed, int8 batch activations)" in rounded.runner.info.describe()) == (in_effect == "int8")
+    assert exact.runner.info.batch_activations == "float32" and "(packed)," in exact.runner.info.describe()
     for prompt in PROMPTS:
         want = _serval_logits(exact, prompt)
         got = _serval_logits(rounded, prompt)
