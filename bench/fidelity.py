@@ -23,7 +23,7 @@ import sys
 from serval import LLM, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # for the shared prompts
-from tests.fixtures.fidelity import divergence, teacher_forced_log_probs
+from tests.fixtures.fidelity import divergence, fp32_reference, teacher_forced_log_probs
 from tests.fixtures.prompts import PROMPTS
 
 
@@ -57,12 +57,7 @@ def main() -> None:
 
         runner.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    reference_llm = LLM(args.model, dtype="float32")
-    reference_outputs = reference_llm.generate(PROMPTS, params)
-    reference = [o.outputs[0].token_ids for o in reference_outputs]
-    prompt_ids = [o.prompt_token_ids for o in reference_outputs]
-    reference_log_probs = teacher_forced_log_probs(reference_llm, prompt_ids, reference)
-    del reference_llm
+    prompt_ids, reference, reference_log_probs = fp32_reference(args.model, PROMPTS, params)
     compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
     other = [o.outputs[0].token_ids for o in compared.generate(PROMPTS, params)]
     distance = divergence(reference_log_probs, teacher_forced_log_probs(compared, prompt_ids, reference))

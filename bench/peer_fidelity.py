@@ -26,7 +26,7 @@ import torch
 from serval import LLM, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # for the shared prompts
-from tests.fixtures.fidelity import teacher_forced_log_probs
+from tests.fixtures.fidelity import fp32_reference, teacher_forced_log_probs
 from tests.fixtures.prompts import PROMPTS
 
 
@@ -81,12 +81,7 @@ def main() -> None:
     args = parser.parse_args()
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    reference_llm = LLM(args.model, dtype="float32")
-    outputs = reference_llm.generate(PROMPTS, params)
-    answers = [o.outputs[0].token_ids for o in outputs]
-    prompts = [o.prompt_token_ids for o in outputs]
-    reference = teacher_forced_log_probs(reference_llm, prompts, answers)
-    del reference_llm
+    prompts, answers, reference = fp32_reference(args.model, PROMPTS, params)
     compared_llm = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
     compared = teacher_forced_log_probs(compared_llm, prompts, answers)
 

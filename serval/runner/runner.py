@@ -160,18 +160,22 @@ class ModelRunner:
         )
         self.kv_caches = self._allocate_kv_cache()
         self.decode_kernel = self.prefill_kernel = None
-        self.batch_activations = "float32"
         if kernels is not None:
             self.decode_kernel = kernels.paged_decode_attention
             self.prefill_kernel = kernels.paged_prefill_attention
             int8 = model_config.batch_activations == "int8"
-            # The portable build has no int8 path: its batches stay exact whatever was asked.
-            self.batch_activations = "int8" if int8 and kernels.variant != "portable" else "float32"
             use_native_kernels(self.model, kernels, int8)
             self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
         if tensor_parallel is not None:
             self.model.use_tensor_parallel(tensor_parallel.all_reduce)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
+        # In effect, not asked for: dense weights and the portable build (no int8 path) keep batches exact.
+        int8_batches = (
+            model_config.batch_activations == "int8"
+            and self.has_packed_weights
+            and self.kernel_variant not in ("none", "portable")
+        )
+        self.batch_activations = "int8" if int8_batches else "float32"
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
             self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
@@ -197,7 +201,7 @@ class ModelRunner:
             weight_format="+".join(self.weight_formats),
             packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
-            batch_activations=self.batch_activations if self.has_packed_weights else "float32",
+            batch_activations=self.batch_activations,
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from serval import LLM, SamplingParams
-from tests.fixtures.fidelity import divergence, teacher_forced_log_probs
+from tests.fixtures.fidelity import divergence, fp32_reference, teacher_forced_log_probs
 from tests.fixtures.prompts import PROMPTS
 
 
@@ -19,11 +19,7 @@ from tests.fixtures.prompts import PROMPTS
 def reference():
     """(prompt ids, fp32's greedy answers, fp32's teacher-forced log-probabilities) over all 16 prompts: a
     prefill of 16 prompts and decode steps of 16 rows, both past the 8 rows where int8 batches begin."""
-    llm = LLM(dtype="float32")
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    prompts = [o.prompt_token_ids for o in outputs]
-    answers = [o.outputs[0].token_ids for o in outputs]
-    return prompts, answers, teacher_forced_log_probs(llm, prompts, answers)
+    return fp32_reference(None, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 
 
 @pytest.mark.parametrize(("batch_activations", "bound"), [("int8", 0.004), ("float32", 0.0015)])
