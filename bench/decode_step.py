@@ -77,13 +77,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="layers,stack,stack+packed")
+    parser.add_argument(
+        "--batch-activations",
+        default="int8",
+        choices=["int8", "float32"],
+        help="as serve's flag: int8 x past 8 rows, and at every row count on AVX2 without VNNI",
+    )
+    parser.add_argument(
+        "--as-cpu-without-bf16",
+        action="store_true",
+        help="fp32 compute over the packed weights, as on a CPU without native bf16 (with SERVAL_KERNEL_VARIANT"
+        "=avx2: an AVX2 machine's decode step, on this one's cores)",
+    )
     args = parser.parse_args()
+    if args.as_cpu_without_bf16:
+        from serval.runner import runner as runner_module
+
+        # what resolve_dtype asks; the kernels stay as they are
+        runner_module.cpu_has_native_bf16 = lambda: False
 
     from serval import LLM, SamplingParams
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     variants = args.variants.split(",")
-    llm = LLM(model=args.model, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        max_num_seqs=max(batch_sizes),
+        enable_prefix_caching=False,
+        batch_activations=args.batch_activations,
+    )
     engine, runner = llm.engine, llm.engine.runner
     model = runner.model
     available, packed = build_variants(runner)
@@ -120,6 +142,7 @@ def main() -> None:
             print(json.dumps({
                 "bench": "decode_step", "batch_size": batch_size, "variant": variant,
                 "threads": runner.num_threads, "dtype": runner.info.dtype,
+                "kernels": runner.info.kernel_variant, "batch_activations": runner.info.batch_activations,
                 "median_ms": round(median * 1e3, 2), "p10_ms": round(samples[len(samples) // 10] * 1e3, 2),
                 "tokens_per_s": round(batch_size / median, 1),
             }), flush=True)  # fmt: skip

@@ -26,8 +26,9 @@ class ModelConfig:
     # uses 1 (same median latency as 2 threads on 2 cores, lower p99: docs/benchmarks.md).
     single_sequence_threads: int = 0
     # How matmuls over packed 4-bit weights take a batch of more than 8 rows (prefill, large decode
-    # batches): "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products
-    # an instruction of the exact paths; teacher-forced divergence from fp32 on the default model below
+    # batches), and on AVX2 without VNNI every batch (whose int16 products bound a batch-1 decode there):
+    # "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products an
+    # instruction of the exact paths; teacher-forced divergence from fp32 on the default model below
     # llama.cpp's own, docs/benchmarks.md); "float32", exact products of the file's weights.
     batch_activations: str = "int8"
 

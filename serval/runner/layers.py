@@ -171,7 +171,7 @@ def use_native_kernels(model: nn.Module, kernels, int8_batch_activations: bool =
 
     The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
     and SwiGLU take bf16 or fp32. int8_batch_activations: the quantized kernel rounds x to int8 for batches
-    past 8 rows (`--batch-activations int8`).
+    past 8 rows, and on AVX2 without VNNI for every batch (`--batch-activations int8`).
     """
     for module in model.modules():
         if isinstance(module, Linear):

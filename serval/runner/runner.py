@@ -40,8 +40,9 @@ class RunnerInfo:
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
-    # How packed 4-bit matmuls take batches past 8 rows, in effect: "int8" (x rounded per block, the default
-    # where the kernels have it) or "float32" (exact products: asked for, or no packed weights or int8 kernel).
+    # How packed 4-bit matmuls take batches past 8 rows (and on AVX2 without VNNI every batch), in effect:
+    # "int8" (x rounded per block, the default where the kernels have it) or "float32" (exact products: asked
+    # for, or no packed weights or int8 kernel).
     batch_activations: str = "float32"
     num_threads: int = 1  # per rank under tensor parallelism
     tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)

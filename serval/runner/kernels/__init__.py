@@ -137,7 +137,8 @@ def packed_rows_limit(kernels) -> int:
 
 def quantized_matmul(kernels, int8_batch_activations: bool):
     """kernels.quantized_linear, with x rounded to int8 for batches past 8 rows where asked (its last
-    argument): what the model's packed matmuls call."""
+    argument; every batch where kernels.int8_decode_rows, AVX2 without VNNI): what the model's packed
+    matmuls call."""
     if not int8_batch_activations:
         return kernels.quantized_linear
     return functools.partial(kernels.quantized_linear, int8_batch_activations=True)

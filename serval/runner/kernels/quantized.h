@@ -39,6 +39,12 @@ constexpr int64_t kBlock = 32;        // weights per block along K (x is quantiz
 constexpr int64_t kGroup = 16;        // output rows per packed group
 constexpr int64_t kSuperWeights = 256;  // weights per k-quant super-block
 constexpr int64_t kChunkBytes = 64;
+// How far ahead of its use a group's codes are asked for by the few-row kernels. The codes of consecutive
+// groups are consecutive, so this runs on into the next group a thread takes (or past the end: a prefetch
+// never faults). The hardware prefetchers alone read 18.7 GB/s on one core for a batch-1 decode's 120
+// matmuls (73 MB), with this 8 KB 24-26 GB/s (2 KB: 21, 4 KB: 24, 16 KB: 25; scales and offsets prefetched
+// too: no better).
+constexpr int64_t kPrefetchBytes = 8192;
 
 enum class Layout { kQ4, kQ4Sym, kQ8, kQ5Sym, kQ5, kQ4K, kQ5K, kQ6K };
 
@@ -228,6 +234,10 @@ void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, 
 // where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). The default; --batch-activations
 // float32 turns it off.
 bool has_int8_rows(Layout layout);
+// Whether this build also rounds the few rows of a decode step to int8 when asked: on AVX2 without VNNI, where
+// the int16 products, not the memory, bound a batch-1 decode. (With VNNI, VPDPWSSD keeps int16 at memory
+// speed, and those rows stay exact.)
+bool has_int8_few_rows(Layout layout);
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                       int64_t out_stride);
 

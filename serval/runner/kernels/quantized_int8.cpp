@@ -1,9 +1,11 @@
-// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows) with int8 activations:
+// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows; on AVX2 without VNNI every
+// decode step, group_few_rows below) with int8 activations:
 // unsigned 4-bit codes times signed 8-bit x. On AVX-512-VNNI, VPDPBUSD sums 4 products a row, 64 an
 // instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2, VPMADDUBSW makes 32
 // products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
-// the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's largest value (the few-row
-// path keeps int16, 1/32767), which a large batch's throughput pays for; docs/benchmarks.md measures it.
+// the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
+// largest value (the few-row path keeps int16, 1/32767, where VNNI has it), which a large batch's throughput
+// pays for; docs/benchmarks.md measures it.
 // The default (`--batch-activations int8`; `float32` keeps the exact tiles): with outliers exact (below) and the
 // offset term summing the rounded x (quantized.h), its divergence from fp32 on the default model is below
 // llama.cpp's on the same file (docs/benchmarks.md).
@@ -241,6 +243,81 @@ BlockRows block_rows_for(int64_t rows) {
   }
 }
 
+// A decode step's few rows (up to kFewRows), where AVX2 has no VNNI: the int16 path's VPMADDWD takes a
+// widened operand and an add per 2 products (quantized_linear.cpp), which held a batch-1 decode on Zen 2 to
+// 43-47% of the memory's read bandwidth; here VPMADDUBSW takes the packed nibbles as they are. Each row's
+// 4 consecutive weights are made one dword (the 32-byte halves' words interleaved), so that x is broadcast
+// 4 bytes at a time and VPMADDWD against ones sums a row's pairs once per block: 16 products an int16 lane
+// (16 x 15 x 127 < 32767). The interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the
+// other ("a" and "b"); d and m are read in the same order.
+constexpr int64_t kFewRows = 8;
+
+template <Layout L, int R>
+void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t first_row, float* out,
+                    int64_t out_stride) {
+  const int64_t K = w.K, num_blocks = K / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* codes = w.codes + G * w.group_bytes;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < num_blocks; ++s) {
+    const uint8_t* block = codes + s * Traits<L>::kChunks * kChunkBytes;
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
+      const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
+      const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
+      // Low nibbles: weights 8c .. 8c + 3 of each row; high nibbles: 8c + 4 .. 8c + 7.
+      const __m256i low0 = _mm256_and_si256(half0, nibble), low1 = _mm256_and_si256(half1, nibble);
+      const __m256i high0 = _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble);
+      const __m256i high1 = _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble);
+      const __m256i low_a = _mm256_unpacklo_epi16(low0, low1), low_b = _mm256_unpackhi_epi16(low0, low1);
+      const __m256i high_a = _mm256_unpacklo_epi16(high0, high1), high_b = _mm256_unpackhi_epi16(high0, high1);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq.codes.data() + (first_row + r) * K + s * kBlock + 8 * c;
+        int32_t first, second;
+        std::memcpy(&first, x, 4);
+        std::memcpy(&second, x + 4, 4);
+        const __m256i x_low = _mm256_set1_epi32(first), x_high = _mm256_set1_epi32(second);
+        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(low_a, x_low),
+                                                                   _mm256_maddubs_epi16(high_a, x_high)));
+        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(low_b, x_low),
+                                                                   _mm256_maddubs_epi16(high_b, x_high)));
+      }
+    }
+    alignas(32) float d[kGroup], m[kGroup];
+    block_scales<L>(w, G, s, d, m);
+    const __m256 d_a = _mm256_loadu2_m128(d + 8, d), d_b = _mm256_loadu2_m128(d + 12, d + 4);
+    const __m256 m_a = _mm256_loadu2_m128(m + 8, m), m_b = _mm256_loadu2_m128(m + 12, m + 4);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (first_row + r) * num_blocks + s;
+      const __m256 dx = _mm256_set1_ps(xq.scales[i]), sum_x = _mm256_set1_ps(xq.sums[i]);
+      const __m256 dot_a = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones));
+      const __m256 dot_b = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones));
+      acc[r][0] = _mm256_fmadd_ps(m_a, sum_x, _mm256_fmadd_ps(dot_a, _mm256_mul_ps(d_a, dx), acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(m_b, sum_x, _mm256_fmadd_ps(dot_b, _mm256_mul_ps(d_b, dx), acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // rows 0-3 | 8-11 and 4-7 | 12-15 back in order
+    float* y = out + (first_row + r) * out_stride + G * kGroup;
+    _mm256_storeu2_m128(y + 8, y, acc[r][0]);
+    _mm256_storeu2_m128(y + 12, y + 4, acc[r][1]);
+  }
+}
+
+using GroupFewRows = void (*)(const PackedMatrix&, int64_t, const Int8Rows&, int64_t, float*, int64_t);
+
+template <Layout L>
+GroupFewRows group_few_rows_for(int64_t rows) {
+  switch (rows) {
+    case 1: return group_few_rows<L, 1>;
+    case 2: return group_few_rows<L, 2>;
+    case 3: return group_few_rows<L, 3>;
+    default: return group_few_rows<L, 4>;
+  }
+}
+
 template <Layout L>
 void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
@@ -248,6 +325,16 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
   const int64_t K = w.K, num_blocks = K / kBlock;
   const Int8Split split = split_for_int8(x, M, K);
   const Int8Rows& xq = split.rows;
+  if (M <= kFewRows) {  // passes of 4 rows over each group, whose codes stay in L1 between them
+    const GroupFewRows full = group_few_rows_for<L>(4), rest = group_few_rows_for<L>(M % 4);
+    parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+      for (int64_t G = begin; G < end; ++G) {
+        for (int64_t r0 = 0; r0 < M; r0 += 4) (M - r0 >= 4 ? full : rest)(w, G, xq, r0, out, out_stride);
+        add_outlier_products<L>(w, G, split.outliers, out, out_stride);
+      }
+    });
+    return;
+  }
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kGroup);
     for (int64_t G = begin; G < end; ++G) {
@@ -280,6 +367,15 @@ bool has_int8_rows(Layout layout) {
 #endif
 }
 
+bool has_int8_few_rows(Layout layout) {
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  return has_int8_rows(layout);
+#else
+  (void)layout;
+  return false;
+#endif
+}
+
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                       float* out, int64_t out_stride) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
@@ -294,3 +390,5 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
 }
 
 }  // namespace serval_kernels::quantized
+
+bool int8_decode_rows() { return has_int8_few_rows(Layout::kQ4); }

@@ -19,8 +19,9 @@
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
-// batches past kMaxRows with them by default, outliers kept exact, and leaves these few rows to int16,
-// where a batch-1 decode is bound by bytes, not instructions.) The offset term uses the sum of the
+// batches past kMaxRows with them by default, outliers kept exact, and leaves these few rows to int16
+// where VNNI makes a batch-1 decode bound by bytes, not instructions; on AVX2 without VNNI it takes these
+// rows too, since there VPMADDWD's widened operands were the bound.) The offset term uses the sum of the
 // block's rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
@@ -35,11 +36,6 @@ constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay 
 // against the bf16 tiles): 2048 x 8192 at 9-16 rows 0.75-0.8x the time, 32 rows ~0.95x, 64 rows 1.05x;
 // 576-2048-wide matrices within the noise up to 32 rows and slower at 64.
 constexpr int64_t kIntegerRowsMax = 16;
-// How far ahead of its use a group's codes are asked for. The codes of consecutive groups are consecutive,
-// so this runs on into the next group a thread takes (or past the end: a prefetch never faults). The
-// hardware prefetchers alone read 18.7 GB/s on one core for a batch-1 decode's 120 matmuls (73 MB), with
-// this 8 KB 24-26 GB/s (2 KB: 21, 4 KB: 24, 16 KB: 25; scales and offsets prefetched too: no better).
-constexpr int64_t kPrefetchBytes = 8192;
 
 using Int16Rows = QuantizedRows<int16_t>;
 
@@ -332,7 +328,8 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   auto out = at::empty({M, num_groups * kGroup}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const bool int8_rows = int8_batch_activations && has_int8_rows(layout);  // asked for past kMaxRows
-  const bool integer_rows = M <= kMaxRows || (M <= kIntegerRowsMax && !int8_rows);
+  const bool int8_few_rows = int8_batch_activations && has_int8_few_rows(layout);  // and below, on AVX2
+  const bool integer_rows = !int8_few_rows && (M <= kMaxRows || (M <= kIntegerRowsMax && !int8_rows));
   const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == at::kBFloat16 && has_bf16_tiles();
   // The integer path reads bf16 x as it is; the tile paths below take fp32 (a copy, over many rows).
   const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
