@@ -251,6 +251,7 @@ BlockRows block_rows_for(int64_t rows) {
 // (16 x 15 x 127 < 32767). The interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the
 // other ("a" and "b"); d and m are read in the same order.
 constexpr int64_t kFewRows = 8;
+constexpr int kFewRowsPass = 4;  // rows of x a pass: 4 accumulators and 4 int16 sums each beside the operands
 
 template <Layout L, int R>
 void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t first_row, float* out,
@@ -325,11 +326,12 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
   const int64_t K = w.K, num_blocks = K / kBlock;
   const Int8Split split = split_for_int8(x, M, K);
   const Int8Rows& xq = split.rows;
-  if (M <= kFewRows) {  // passes of 4 rows over each group, whose codes stay in L1 between them
-    const GroupFewRows full = group_few_rows_for<L>(4), rest = group_few_rows_for<L>(M % 4);
+  if (M <= kFewRows) {  // passes over each group, whose codes stay in L1 between them
+    const GroupFewRows full = group_few_rows_for<L>(kFewRowsPass), rest = group_few_rows_for<L>(M % kFewRowsPass);
     parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
       for (int64_t G = begin; G < end; ++G) {
-        for (int64_t r0 = 0; r0 < M; r0 += 4) (M - r0 >= 4 ? full : rest)(w, G, xq, r0, out, out_stride);
+        for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass)
+          (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, out, out_stride);
         add_outlier_products<L>(w, G, split.outliers, out, out_stride);
       }
     });
