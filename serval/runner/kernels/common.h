@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 #include "simd.h"
 
@@ -43,6 +45,18 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + simd::kWidth <= n; i += simd::kWidth) simd::store(y + i, simd::fmadd(a, simd::load(x + i), simd::load(y + i)));
   for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// f(std::integral_constant<int, R>{}) for R = rows where 1 <= rows < Max, else Max: the one switch from a
+// pass's row count to a kernel compiled for it (whose accumulators are then registers).
+template <int Max, int R = 1, typename F>
+decltype(auto) with_row_count(int64_t rows, F&& f) {
+  if constexpr (R < Max) {
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    return with_row_count<Max, R + 1>(rows, std::forward<F>(f));
+  } else {
+    return f(std::integral_constant<int, Max>{});
+  }
 }
 
 // How parallel_chunks hands out its chunks (see there).

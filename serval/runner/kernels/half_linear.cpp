@@ -50,16 +50,7 @@ using HalfRows = void (*)(const W*, const float*, int64_t, float*, int64_t);
 
 template <typename W>
 HalfRows<W> half_rows_for(int64_t rows) {
-  switch (rows) {
-    case 1: return half_rows<W, 1>;
-    case 2: return half_rows<W, 2>;
-    case 3: return half_rows<W, 3>;
-    case 4: return half_rows<W, 4>;
-    case 5: return half_rows<W, 5>;
-    case 6: return half_rows<W, 6>;
-    case 7: return half_rows<W, 7>;
-    default: return half_rows<W, 8>;
-  }
+  return with_row_count<kMaxRows>(rows, [](auto R) -> HalfRows<W> { return half_rows<W, R.value>; });
 }
 
 template <typename W>

@@ -157,16 +157,7 @@ using GroupPass = void (*)(const PackedMatrix&, int64_t, const Int8Rows&, int64_
 
 template <Layout L>
 GroupPass group_pass_for(int64_t rows) {
-  switch (rows) {
-    case 1: return group_pass<L, 1>;
-    case 2: return group_pass<L, 2>;
-    case 3: return group_pass<L, 3>;
-    case 4: return group_pass<L, 4>;
-    case 5: return group_pass<L, 5>;
-    case 6: return group_pass<L, 6>;
-    case 7: return group_pass<L, 7>;
-    default: return group_pass<L, 8>;
-  }
+  return with_row_count<kPassRows>(rows, [](auto R) -> GroupPass { return group_pass<L, R.value>; });
 }
 
 template <Layout L>
@@ -235,12 +226,7 @@ using BlockRows = void (*)(const uint8_t*, const float*, const float*, const Int
 
 template <Layout L>
 BlockRows block_rows_for(int64_t rows) {
-  switch (rows) {
-    case 1: return block_rows<L, 1>;
-    case 2: return block_rows<L, 2>;
-    case 3: return block_rows<L, 3>;
-    default: return block_rows<L, 4>;
-  }
+  return with_row_count<kPassRows>(rows, [](auto R) -> BlockRows { return block_rows<L, R.value>; });
 }
 
 // A decode step's few rows (up to kFewRows), where AVX2 has no VNNI: the int16 path's VPMADDWD takes a
@@ -311,12 +297,7 @@ using GroupFewRows = void (*)(const PackedMatrix&, int64_t, const Int8Rows&, int
 
 template <Layout L>
 GroupFewRows group_few_rows_for(int64_t rows) {
-  switch (rows) {
-    case 1: return group_few_rows<L, 1>;
-    case 2: return group_few_rows<L, 2>;
-    case 3: return group_few_rows<L, 3>;
-    default: return group_few_rows<L, 4>;
-  }
+  return with_row_count<kFewRowsPass>(rows, [](auto R) -> GroupFewRows { return group_few_rows<L, R.value>; });
 }
 
 template <Layout L>

@@ -215,16 +215,7 @@ using GroupRows = void (*)(const PackedMatrix&, int64_t, const Int16Rows&, int64
 
 template <Layout L>
 GroupRows group_rows_for(int64_t rows) {
-  switch (rows) {
-    case 1: return group_rows<L, 1>;
-    case 2: return group_rows<L, 2>;
-    case 3: return group_rows<L, 3>;
-    case 4: return group_rows<L, 4>;
-    case 5: return group_rows<L, 5>;
-    case 6: return group_rows<L, 6>;
-    case 7: return group_rows<L, 7>;
-    default: return group_rows<L, 8>;
-  }
+  return with_row_count<kMaxRows>(rows, [](auto R) -> GroupRows { return group_rows<L, R.value>; });
 }
 
 GroupRows group_rows_for(Layout layout, int64_t rows) {
