@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
 def cpu_description() -> str:

@@ -38,7 +38,7 @@ class RunnerInfo:
     max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
-    kernel_variant: str = "none"  # the native CPU kernels in use (avx512, avx2, portable), or none
+    kernel_variant: str = "none"  # the native CPU kernels in use (kernels.VARIANTS' names), or none
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
     # How packed 4-bit matmuls take batches past 8 rows (and on AVX2 without VNNI every batch), in effect:
     # "int8" (x rounded per block, the default where the kernels have it) or "float32" (exact products: asked

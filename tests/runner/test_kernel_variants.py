@@ -44,16 +44,27 @@ ZEN4 = frozenset(
 )
 ZEN3 = frozenset(["sse2", "avx", "avx2", "fma", "f16c", "bmi2"])
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # AVX-512 without VNNI and BF16
+ICE_LAKE = SKYLAKE_X | {"avx512_vnni"}  # AVX-512 with VNNI, without BF16
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX2 with the 256-bit VEX form of VNNI, no AVX-512
+SAPPHIRE_RAPIDS = ZEN4 | {"avx_vnni", "amx_tile", "amx_int8", "amx_bf16"}
 
 
 @pytest.mark.skipif(not is_x86(), reason="x86 feature sets")
 @pytest.mark.parametrize(
-    "flags, best", [(ZEN4, "avx512"), (ZEN3, "avx2"), (SKYLAKE_X, "avx2"), (frozenset({"sse2"}), "portable")]
+    "flags, best, also",
+    [
+        (ZEN4, "avx512", ["avx512_vnni", "avx2"]),
+        (SAPPHIRE_RAPIDS, "avx512", ["avx512_vnni", "avx2_vnni", "avx2"]),
+        (ICE_LAKE, "avx512_vnni", ["avx2"]),
+        (ALDER_LAKE, "avx2_vnni", ["avx2"]),
+        (ZEN3, "avx2", []),
+        (SKYLAKE_X, "avx2", []),
+        (frozenset({"sse2"}), "portable", None),
+    ],
 )
-def test_the_best_variant_the_cpu_can_execute_is_chosen(flags, best):
-    runnable = runnable_variants(flags)
-    assert runnable[0].name == best
-    assert runnable[-1].name == "portable"
+def test_the_best_variant_the_cpu_can_execute_is_chosen(flags, best, also):
+    names = [v.name for v in runnable_variants(flags)]
+    assert names == ([best] if also is None else [best, *also, "portable"])
 
 
 def test_a_variant_the_cpu_cannot_execute_is_refused():

@@ -5,7 +5,11 @@ module named after the variant, so a build cache or image made on one CPU can ne
 instructions it lacks:
 
 - `avx512`: AVX-512 F/BW/VL/DQ with VNNI and BF16 (Zen 4, Sapphire Rapids and later);
-- `avx2`: AVX2, FMA and F16C (Haswell and Zen 1 on; also AVX-512 CPUs without VNNI/BF16);
+- `avx512_vnni`: the same without BF16 (Cascade Lake, Ice Lake, Tiger Lake): bf16 weights are widened to fp32
+  in registers instead of multiplied as bf16 pairs;
+- `avx2_vnni`: AVX2, FMA and F16C with AVX-VNNI, VPDPBUSD/VPDPWSSD on 256-bit registers (Alder Lake and later
+  client chips, Sierra Forest);
+- `avx2`: AVX2, FMA and F16C (Haswell and Zen 1 on; also Skylake-X's AVX-512 without VNNI);
 - `portable`: the compiler's baseline for the target (SSE2 on x86-64, NEON on aarch64).
 
 `load_cpu_kernels()` returns the compiled module of the best variant (its `variant` attribute names it), or
@@ -56,17 +60,19 @@ class Variant:
     compiler_flags: tuple[str, ...]
 
 
-_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX2 = (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))
+_AVX512_VNNI = (
+    (*_AVX2[0], "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    (*_AVX2[1], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+)
 VARIANTS = (  # best first
-    Variant(
-        "avx512",
-        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
-        (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"),
-    ),
-    Variant("avx2", ("avx2", "fma", "f16c"), _AVX2_FLAGS),
+    Variant("avx512", (*_AVX512_VNNI[0], "avx512_bf16"), (*_AVX512_VNNI[1], "-mavx512bf16")),
+    Variant("avx512_vnni", *_AVX512_VNNI),
+    Variant("avx2_vnni", (*_AVX2[0], "avx_vnni"), (*_AVX2[1], "-mavxvnni")),
+    Variant("avx2", *_AVX2),
     Variant("portable", (), ()),
 )
-_X86_ONLY = frozenset({"avx512", "avx2"})
+_X86_ONLY = frozenset(v.name for v in VARIANTS if v.compiler_flags)
 
 
 def cpu_flags() -> frozenset[str]:

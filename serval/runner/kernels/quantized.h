@@ -147,6 +147,18 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
   }
 }
 
+#if defined(__AVX2__)
+// acc + a * b, int16 lanes multiplied and summed in pairs into int32: one VPDPWSSD where AVX-VNNI has it,
+// VPMADDWD and an add on plain AVX2.
+inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#endif
+
 // The codes of one 32-byte half of nibble chunk c, its low (n = 0) or high (n = 1) nibbles, in bytes: the
 // nibbles joined with their high bits from `high`, the same half of the scale block's high-bit chunk, less
 // the layout's bias (signed bytes where Traits::kSignedCodes). AVX2's and AVX-512's 256-bit halves.

@@ -233,24 +233,45 @@ BlockRows block_rows_for(int64_t rows) {
 // widened operand and an add per 2 products (quantized_linear.cpp), which held a batch-1 decode on Zen 2 to
 // 43-47% of the memory's read bandwidth; here VPMADDUBSW takes the packed nibbles as they are. Each row's
 // 4 consecutive weights are made one dword (the 32-byte halves' words interleaved), so that x is broadcast
-// 4 bytes at a time and VPMADDWD against ones sums a row's pairs once per block: 16 products an int16 lane
-// (16 x 15 x 127 < 32767). The interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the
-// other ("a" and "b"); d and m are read in the same order.
+// 4 bytes at a time (ByteDots sums them). The interleave leaves rows 0-3 and 8-11 in one register, 4-7 and
+// 12-15 in the other ("a" and "b"); d and m are read in the same order. With AVX-VNNI every row count takes
+// these passes (matmul_impl): VPDPBUSD needs a row's 4 weights in a dword, which block_rows' pairs are not.
 constexpr int64_t kFewRows = 8;
 constexpr int kFewRowsPass = 4;  // rows of x a pass: 4 accumulators and 4 int16 sums each beside the operands
+
+// One row's products over a scale block, codes (4 bytes of a row a dword) times x (4 bytes broadcast):
+// VPDPBUSD adds each dword's 4 products straight into int32 where AVX-VNNI has it; otherwise VPMADDUBSW's
+// pair sums add up in int16 (16 products a lane: 16 x 15 x 127 < 32767) and widen once a block, VPMADDWD
+// against ones.
+struct ByteDots {
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i codes0, __m256i x0, __m256i codes1, __m256i x1) {
+#if defined(__AVXVNNI__)
+    sum = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum, codes0, x0), codes1, x1);
+#else
+    sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(codes0, x0), _mm256_maddubs_epi16(codes1, x1)));
+#endif
+  }
+  __m256i int32() const {
+#if defined(__AVXVNNI__)
+    return sum;
+#else
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+#endif
+  }
+};
 
 template <Layout L, int R>
 void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t first_row, float* out,
                     int64_t out_stride) {
   const int64_t K = w.K, num_blocks = K / kBlock;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const uint8_t* codes = w.codes + G * w.group_bytes;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
     const uint8_t* block = codes + s * Traits<L>::kChunks * kChunkBytes;
-    __m256i sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    ByteDots dots[R][2];
     for (int c = 0; c < 4; ++c) {
       simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
@@ -267,10 +288,8 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
         std::memcpy(&first, x, 4);
         std::memcpy(&second, x + 4, 4);
         const __m256i x_low = _mm256_set1_epi32(first), x_high = _mm256_set1_epi32(second);
-        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(low_a, x_low),
-                                                                   _mm256_maddubs_epi16(high_a, x_high)));
-        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(low_b, x_low),
-                                                                   _mm256_maddubs_epi16(high_b, x_high)));
+        dots[r][0].add(low_a, x_low, high_a, x_high);
+        dots[r][1].add(low_b, x_low, high_b, x_high);
       }
     }
     alignas(32) float d[kGroup], m[kGroup];
@@ -280,8 +299,8 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
     for (int r = 0; r < R; ++r) {
       const int64_t i = (first_row + r) * num_blocks + s;
       const __m256 dx = _mm256_set1_ps(xq.scales[i]), sum_x = _mm256_set1_ps(xq.sums[i]);
-      const __m256 dot_a = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones));
-      const __m256 dot_b = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones));
+      const __m256 dot_a = _mm256_cvtepi32_ps(dots[r][0].int32());
+      const __m256 dot_b = _mm256_cvtepi32_ps(dots[r][1].int32());
       acc[r][0] = _mm256_fmadd_ps(m_a, sum_x, _mm256_fmadd_ps(dot_a, _mm256_mul_ps(d_a, dx), acc[r][0]));
       acc[r][1] = _mm256_fmadd_ps(m_b, sum_x, _mm256_fmadd_ps(dot_b, _mm256_mul_ps(d_b, dx), acc[r][1]));
     }
@@ -307,15 +326,22 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
   const int64_t K = w.K, num_blocks = K / kBlock;
   const Int8Split split = split_for_int8(x, M, K);
   const Int8Rows& xq = split.rows;
-  if (M <= kFewRows) {  // passes over each group, whose codes stay in L1 between them
+#if defined(__AVXVNNI__)
+  constexpr bool kAllRowsInPasses = true;
+#else
+  constexpr bool kAllRowsInPasses = false;
+#endif
+  if (M <= kFewRows || kAllRowsInPasses) {  // passes over each group, whose codes stay in L1 between them
     const GroupFewRows full = group_few_rows_for<L>(kFewRowsPass), rest = group_few_rows_for<L>(M % kFewRowsPass);
-    parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+    // A few rows' groups are quick and even: large guided shares. Many rows' are long: one at a time.
+    const bool few = M <= kFewRows;
+    parallel_chunks(num_groups, few ? num_groups / 16 : 1, [&](int64_t begin, int64_t end) {
       for (int64_t G = begin; G < end; ++G) {
         for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass)
           (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, out, out_stride);
         add_outlier_products<L>(w, G, split.outliers, out, out_stride);
       }
-    });
+    }, few ? Schedule::kGuided : Schedule::kDynamic);
     return;
   }
   parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {

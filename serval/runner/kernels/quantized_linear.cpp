@@ -112,8 +112,8 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 #elif defined(__AVX2__)
-// AVX2 has no VPDPWSSD: VPMADDWD multiplies the same int16 operands pairwise into int32 (8 per register) and
-// a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
+// AVX2 has no VPDPWSSD (AVX-VNNI's 256-bit one aside, add_pair_products): VPMADDWD multiplies the same int16
+// operands pairwise into int32 (8 per register) and a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
 // rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
 template <Layout L, int R>
 void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t first_row, float* out,
@@ -159,8 +159,8 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
           int32_t pair;
           std::memcpy(&pair, xq.codes.data() + (first_row + r) * K + s * T::kScaleWeights + 2 * (kOperands * c + o), 4);
           const __m256i x = _mm256_set1_epi32(pair);
-          dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(rows0, x));
-          dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(rows1, x));
+          dots[r][0] = add_pair_products(dots[r][0], rows0, x);
+          dots[r][1] = add_pair_products(dots[r][1], rows1, x);
         }
       }
     }
