@@ -81,7 +81,7 @@ def main() -> None:
         "--batch-activations",
         default="int8",
         choices=["int8", "float32"],
-        help="as serve's flag: int8 x past 8 rows, and at every row count on AVX2 without VNNI",
+        help="as serve's flag: int8 x at every row count on AVX2, past 8 rows with AVX-512-VNNI",
     )
     parser.add_argument(
         "--as-cpu-without-bf16",

@@ -58,8 +58,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--batch-activations",
         choices=["float32", "int8"],
-        help="matmuls over packed 4-bit weights for batches past 8 rows (prefill, busy decode), and on AVX2 "
-        "without VNNI for every batch: int8 (default: x rounded per block of 32 as llama.cpp does, outliers "
+        help="matmuls over packed 4-bit weights (every batch on AVX2, batches past 8 rows with AVX-512-VNNI): "
+        "int8 (default: x rounded per block of 32 as llama.cpp does, outliers "
         "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model) or "
         "float32 (exact products of the file's weights; docs/benchmarks.md)",
     )

@@ -202,9 +202,9 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     else:
         # Dequantized tiles: the file's exact weights times x in fp32.
         assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
-    if rows > 8 or kernels.int8_decode_rows:  # int8 x past 8 rows; below too on AVX2 without VNNI
+    if rows > 8 or rows >= kernels.int8_rows_from:  # int8 x where the build has it (portable: never)
         int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
-        if packed.bits == 4 and kernels.variant != "portable":
+        if packed.bits == 4 and kernels.int8_rows_from:
             # x rounded to 1/127 of each block's largest value, the outlier channel (900) exact.
             expected = _reference(x, weight, _offsets(block), levels=127).float()
             assert (int8 - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
@@ -242,8 +242,8 @@ def test_rounded_x_meets_the_file_weights_not_their_codes(kernels, qtype, rows):
     x = torch.randn(rows, 1024)  # no outliers: the rounding is the same as the Python model's below
     exact = x.double() @ weight.double().t()
     for levels, kernel in ((32767, kernels.quantized_linear), (127, quantized_matmul(kernels, True))):
-        if levels == 127 and ((rows <= 8 and not kernels.int8_decode_rows) or kernels.variant == "portable"):
-            continue  # int8 x is for batches past 8 rows (every row count on AVX2), where the build has it
+        if levels == 127 and not (kernels.int8_rows_from and rows >= kernels.int8_rows_from):
+            continue  # int8 x from int8_rows_from rows (1 on AVX2, 9 with AVX-512-VNNI), where the build has it
         blocks = x.reshape(rows, -1, BLOCK)
         step = blocks.abs().amax(-1, keepdim=True) / levels
         rounded = (torch.round(blocks / step) * step).reshape(rows, -1)

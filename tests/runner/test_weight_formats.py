@@ -154,8 +154,8 @@ def test_fused_shards_are_packed_straight_into_one_matrix(model_file, kernels, m
 
 
 def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, kernels, monkeypatch):
-    """--batch-activations int8, the default: prefill (more than 8 rows) rounds x to int8 per block over
-    4-bit codes, and on AVX2 without VNNI decode steps too; the logits stay close to the exact path's."""
+    """--batch-activations int8, the default: prefill (past 8 rows with AVX-512-VNNI) rounds x to int8 per
+    block over 4-bit codes, and on AVX2 one-row decode steps too; the logits stay close to the exact path's."""
     from transformers import LlamaConfig
 
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
@@ -175,10 +175,10 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
         got = _serval_logits(rounded, prompt)
         scale = want.abs().max().item()
         assert (got - want).abs().max().item() < 5e-2 * scale
-        if kernels.variant != "portable" and (len(prompt) > 8 or kernels.int8_decode_rows):
+        if kernels.int8_rows_from and len(prompt) >= kernels.int8_rows_from:
             assert not torch.equal(got, want)  # the portable build has no int8 path
-        # A decode step's own matmuls are the exact path's (int8 on AVX2 without VNNI); its cache holds the
-        # int8 prefill's K and V.
+        # A decode step's one row is int8 on AVX2, int16 with AVX-512-VNNI; its cache holds the int8
+        # prefill's K and V.
         decoded = _decode_logits(rounded, prompt)
         assert (decoded - _decode_logits(exact, prompt)).abs().max().item() < 5e-2 * scale
     with pytest.raises(ValueError, match="batch_activations"):

@@ -142,9 +142,9 @@ def packed_rows_limit(kernels) -> int:
 
 
 def quantized_matmul(kernels, int8_batch_activations: bool):
-    """kernels.quantized_linear, with x rounded to int8 for batches past 8 rows where asked (its last
-    argument; every batch where kernels.int8_decode_rows, AVX2 without VNNI): what the model's packed
-    matmuls call."""
+    """kernels.quantized_linear, with x rounded to int8 where asked (its last argument; from
+    kernels.int8_rows_from rows: 1 on AVX2, 9 with AVX-512-VNNI, never in the portable build): what the
+    model's packed matmuls call."""
     if not int8_batch_activations:
         return kernels.quantized_linear
     return functools.partial(kernels.quantized_linear, int8_batch_activations=True)

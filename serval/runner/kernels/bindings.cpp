@@ -24,8 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("super_scales"),
         pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
-  // Whether int8_batch_activations rounds a decode step's few rows too (AVX2 without VNNI), not only batches.
-  m.attr("int8_decode_rows") = int8_decode_rows();
+  // From how many rows int8_batch_activations takes int8 x (0: never in this build).
+  m.attr("int8_rows_from") = int8_rows_from();
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
   m.def("gguf_packed_buffers", &gguf_packed_buffers, "the empty packed buffers of a GGUF type's matrix", release());
   m.def("pack_gguf_blocks_into", &pack_gguf_blocks_into,

@@ -103,9 +103,9 @@ at::Tensor silu_mul(at::Tensor gate_up);
 void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                at::Tensor super_scales, int64_t N, bool int8_batch_activations);
-// Whether int8_batch_activations also rounds a decode step's few rows over 4-bit codes (quantized.h's
-// has_int8_few_rows): on AVX2 without VNNI.
-bool int8_decode_rows();
+// From how many rows of x int8_batch_activations rounds x to int8 over 4-bit codes (quantized_int8.cpp says
+// why per build); 0 where this build has no int8 path.
+int64_t int8_rows_from();
 // x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].

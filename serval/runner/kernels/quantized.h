@@ -246,10 +246,6 @@ void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, 
 // where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). The default; --batch-activations
 // float32 turns it off.
 bool has_int8_rows(Layout layout);
-// Whether this build also rounds the few rows of a decode step to int8 when asked: on AVX2 without VNNI, where
-// the int16 products, not the memory, bound a batch-1 decode. (With VNNI, VPDPWSSD keeps int16 at memory
-// speed, and those rows stay exact.)
-bool has_int8_few_rows(Layout layout);
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                       int64_t out_stride);
 

@@ -1,11 +1,11 @@
-// Packed 4-bit weights times many rows of x (prefill, decode batches past 8 rows; on AVX2 without VNNI every
-// decode step, group_few_rows below) with int8 activations:
+// Packed 4-bit weights times rows of x (prefill and decode steps; with AVX-512-VNNI past 8 rows, int8_rows_from
+// below) with int8 activations:
 // unsigned 4-bit codes times signed 8-bit x. On AVX-512-VNNI, VPDPBUSD sums 4 products a row, 64 an
 // instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2, VPMADDUBSW makes 32
 // products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
 // the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
-// largest value (the few-row path keeps int16, 1/32767, where VNNI has it), which a large batch's throughput
-// pays for; docs/benchmarks.md measures it.
+// largest value (int16's 1/32767 stays with `--batch-activations float32`), which the throughput pays for;
+// docs/benchmarks.md measures it.
 // The default (`--batch-activations int8`; `float32` keeps the exact tiles): with outliers exact (below) and the
 // offset term summing the rounded x (quantized.h), its divergence from fp32 on the default model is below
 // llama.cpp's on the same file (docs/benchmarks.md).
@@ -229,7 +229,7 @@ BlockRows block_rows_for(int64_t rows) {
   return with_row_count<kPassRows>(rows, [](auto R) -> BlockRows { return block_rows<L, R.value>; });
 }
 
-// A decode step's few rows (up to kFewRows), where AVX2 has no VNNI: the int16 path's VPMADDWD takes a
+// A decode step's few rows (up to kFewRows) on AVX2: the int16 path's VPMADDWD takes a
 // widened operand and an add per 2 products (quantized_linear.cpp), which held a batch-1 decode on Zen 2 to
 // 43-47% of the memory's read bandwidth; here VPMADDUBSW takes the packed nibbles as they are. Each row's
 // 4 consecutive weights are made one dword (the 32-byte halves' words interleaved), so that x is broadcast
@@ -376,14 +376,6 @@ bool has_int8_rows(Layout layout) {
 #endif
 }
 
-bool has_int8_few_rows(Layout layout) {
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  return has_int8_rows(layout);
-#else
-  (void)layout;
-  return false;
-#endif
-}
 
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                       float* out, int64_t out_stride) {
@@ -400,4 +392,17 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
 
 }  // namespace serval_kernels::quantized
 
-bool int8_decode_rows() { return has_int8_few_rows(Layout::kQ4); }
+// A decode step's few rows take int8 too: on AVX2 VPMADDUBSW (AVX-VNNI's VPDPBUSD) outpaces the int16 path's
+// products at every row count (1.2-1.6x at 1-8 rows, docs/benchmarks.md). With AVX-512-VNNI the few rows
+// keep int16 (exact to 2^-15): alone, int8 took the same time; at 4-8 rows int8 took 0.6-0.75x the matmul's
+// time on 2048- to 8192-wide matrices, but whole decode steps of a 1B model were no faster (4 sequences
+// slower: rounding x, finding its outliers and their exact products cost what the products saved).
+int64_t int8_rows_from() {
+#if defined(__AVX512VNNI__)
+  return 9;
+#elif defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -19,10 +19,10 @@
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
-// batches past kMaxRows with them by default, outliers kept exact, and leaves these few rows to int16
-// where VNNI makes a batch-1 decode bound by bytes, not instructions; on AVX2 without VNNI it takes these
-// rows too, since there VPMADDWD's widened operands were the bound.) The offset term uses the sum of the
-// block's rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
+// every row count with them by default on AVX2, and past kMaxRows rows with AVX-512-VNNI (int8_rows_from),
+// outliers kept exact; these products serve `--batch-activations float32`, and with AVX-512-VNNI a decode
+// step's few rows, which VPDPWSSD computes at memory speed.) The offset term uses the sum of the block's rounded x, so that the
+// rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
 using namespace serval_kernels;
@@ -297,8 +297,8 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kIntegerRowsMax
 // rows go through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp
 // (FMAs are).
-// int8_batch_activations: more than kMaxRows rows of x go through quantized_int8.cpp where it has the layout
-// (x rounded to int8 per block, as llama.cpp does: faster, not exact). offsets and super_scales may be empty
+// int8_batch_activations: x is rounded to int8 per block (as llama.cpp does: faster, not exact) and goes through
+// quantized_int8.cpp where it has the layout, from int8_rows_from() rows on. offsets and super_scales may be empty
 // (undefined in the DecodeStack): the layout has none. codes in fp16 or
 // bf16, (N, K) with no scales, are 16-bit weights: half_linear.cpp computes those.
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
@@ -318,9 +318,10 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   // Padded to whole groups; the padding columns are dropped by the narrow below.
   auto out = at::empty({M, num_groups * kGroup}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  const bool int8_rows = int8_batch_activations && has_int8_rows(layout);  // asked for past kMaxRows
-  const bool int8_few_rows = int8_batch_activations && has_int8_few_rows(layout);  // and below, on AVX2
-  const bool integer_rows = !int8_few_rows && (M <= kMaxRows || (M <= kIntegerRowsMax && !int8_rows));
+  // int8 x where asked and this build has it for the layout, from int8_rows_from() rows; otherwise up to
+  // kIntegerRowsMax rows take int16 x, more the fp32 or bf16 tiles.
+  const bool int8_rows = int8_batch_activations && has_int8_rows(layout) && M >= int8_rows_from();
+  const bool integer_rows = !int8_rows && M <= kIntegerRowsMax;
   const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == at::kBFloat16 && has_bf16_tiles();
   // The integer path reads bf16 x as it is; the tile paths below take fp32 (a copy, over many rows).
   const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
