@@ -8,6 +8,7 @@ a syntax or type error in, say, the AVX-512 path fails on an AVX2 machine too.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
@@ -86,7 +87,7 @@ def test_builds_are_keyed_by_explicit_target_flags():
         assert f"-DSERVAL_VARIANT={variant.name}" in flags
 
 
-def _compile_command(source: str, flags: list[str]) -> list[str]:
+def _compile_command(source: str, flags: list[str], compiler: str = "c++") -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -95,9 +96,22 @@ def _compile_command(source: str, flags: list[str]) -> list[str]:
     ]
     # -O0: the intrinsics' target checks and every template instantiation happen at any level, faster.
     return [
-        "c++", "-std=c++17", "-fPIC", "-c", "-o", os.devnull, source, "-DTORCH_EXTENSION_NAME=variant_check",
+        compiler, "-std=c++17", "-fPIC", "-c", "-o", os.devnull, source, "-DTORCH_EXTENSION_NAME=variant_check",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *[f for f in flags if not f.startswith("-O")], "-O0",
     ]  # fmt: skip
+
+
+def _compile_all(flags: list[str], compiler: str = "c++") -> None:
+    """Every kernel source compiled with these flags; a failure names the file and the compiler's errors."""
+
+    def compile_one(source: str) -> tuple[str, subprocess.CompletedProcess]:
+        command = _compile_command(source, flags, compiler)
+        return source, subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, SOURCES))
+    failures = [f"{os.path.basename(s)}:\n{r.stderr[-3000:]}" for s, r in results if r.returncode != 0]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
@@ -110,15 +124,21 @@ def test_every_variant_compiles_even_where_the_cpu_cannot_run_it(name):
         pytest.skip(f"{name} runs here: built and tested in full by the kernel tests")
     if variant.compiler_flags and not is_x86():
         pytest.skip(f"{name} is an x86 variant")
+    _compile_all(compile_flags(variant))
 
-    def compile_one(source: str) -> tuple[str, subprocess.CompletedProcess]:
-        command = _compile_command(source, compile_flags(variant))
-        return source, subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(compile_one, SOURCES))
-    failures = [f"{os.path.basename(s)}:\n{r.stderr[-3000:]}" for s, r in results if r.returncode != 0]
-    assert not failures, "\n".join(failures)
+AARCH64_COMPILER = "aarch64-linux-gnu-g++"
+
+
+@pytest.mark.slow
+def test_the_portable_variant_compiles_for_aarch64():
+    """aarch64 gets the portable variant (NEON is its baseline): its sources must at least compile there.
+    With Debian's cross-compiler (.ci/run installs it), against this machine's torch headers."""
+    if not is_x86():
+        pytest.skip("not x86: the portable variant is built and tested natively here")
+    if shutil.which(AARCH64_COMPILER) is None:
+        pytest.skip(f"no {AARCH64_COMPILER} (Debian's g++-aarch64-linux-gnu) on this machine")
+    _compile_all(compile_flags(variant_named("portable")), AARCH64_COMPILER)
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
