@@ -39,6 +39,7 @@ constexpr int64_t kBlock = 32;        // weights per block along K (x is quantiz
 constexpr int64_t kGroup = 16;        // output rows per packed group
 constexpr int64_t kSuperWeights = 256;  // weights per k-quant super-block
 constexpr int64_t kChunkBytes = 64;
+constexpr int64_t kFewRows = 8;  // up to this many rows of x a matmul is a decode step's: the few-row paths
 // How far ahead of its use a group's codes are asked for by the few-row kernels. The codes of consecutive
 // groups are consecutive, so this runs on into the next group a thread takes (or past the end: a prefetch
 // never faults). The hardware prefetchers alone read 18.7 GB/s on one core for a batch-1 decode's 120
@@ -146,18 +147,6 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
     }
   }
 }
-
-#if defined(__AVX2__)
-// acc + a * b, int16 lanes multiplied and summed in pairs into int32: one VPDPWSSD where AVX-VNNI has it,
-// VPMADDWD and an add on plain AVX2.
-inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-#endif
 
 // The codes of one 32-byte half of nibble chunk c, its low (n = 0) or high (n = 1) nibbles, in bytes: the
 // nibbles joined with their high bits from `high`, the same half of the scale block's high-bit chunk, less

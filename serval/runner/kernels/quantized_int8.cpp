@@ -236,7 +236,6 @@ BlockRows block_rows_for(int64_t rows) {
 // 4 bytes at a time (ByteDots sums them). The interleave leaves rows 0-3 and 8-11 in one register, 4-7 and
 // 12-15 in the other ("a" and "b"); d and m are read in the same order. With AVX-VNNI every row count takes
 // these passes (matmul_impl): VPDPBUSD needs a row's 4 weights in a dword, which block_rows' pairs are not.
-constexpr int64_t kFewRows = 8;
 constexpr int kFewRowsPass = 4;  // rows of x a pass: 4 accumulators and 4 int16 sums each beside the operands
 
 // One row's products over a scale block, codes (4 bytes of a row a dword) times x (4 bytes broadcast):
@@ -376,7 +375,6 @@ bool has_int8_rows(Layout layout) {
 #endif
 }
 
-
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
                       float* out, int64_t out_stride) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
@@ -399,7 +397,7 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
 // slower: rounding x, finding its outliers and their exact products cost what the products saved).
 int64_t int8_rows_from() {
 #if defined(__AVX512VNNI__)
-  return 9;
+  return kFewRows + 1;
 #elif defined(__AVX2__)
   return 1;
 #else

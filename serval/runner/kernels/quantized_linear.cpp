@@ -19,10 +19,10 @@
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
-// every row count with them by default on AVX2, and past kMaxRows rows with AVX-512-VNNI (int8_rows_from),
+// every row count with them by default on AVX2, and past kFewRows rows with AVX-512-VNNI (int8_rows_from),
 // outliers kept exact; these products serve `--batch-activations float32`, and with AVX-512-VNNI a decode
-// step's few rows, which VPDPWSSD computes at memory speed.) The offset term uses the sum of the block's rounded x, so that the
-// rounding meets the file's weights, not d q alone (quantized.h).
+// step's few rows, which VPDPWSSD computes at memory speed.) The offset term uses the sum of the block's
+// rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
 using namespace serval_kernels;
@@ -30,7 +30,7 @@ using namespace serval_kernels::quantized;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;  // rows of x per pass: their accumulators stay in registers
+constexpr int64_t kMaxRows = kFewRows;  // rows of x per pass: their accumulators stay in registers
 // Past kMaxRows the integer path goes on, in passes of kMaxRows over each group's codes (which stay in L1),
 // up to this many rows; more go to the tiles. Measured per call (bench/batch_matmul.py, Q4_0/Q4_1, AVX-512,
 // against the bf16 tiles): 2048 x 8192 at 9-16 rows 0.75-0.8x the time, 32 rows ~0.95x, 64 rows 1.05x;
@@ -112,9 +112,20 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 #elif defined(__AVX2__)
+// acc + a * b, int16 lanes multiplied and summed in pairs into int32: one VPDPWSSD where AVX-VNNI has it,
+// VPMADDWD and an add on plain AVX2.
+inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // AVX2 has no VPDPWSSD (AVX-VNNI's 256-bit one aside, add_pair_products): VPMADDWD multiplies the same int16
-// operands pairwise into int32 (8 per register) and a separate add accumulates them. A 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and
-// rows 8-15 in its high 16 bytes (2 weights each), so one packed group is two 8-row halves here.
+// operands pairwise into int32 (8 per register) and a separate add accumulates them. A 64-byte chunk's
+// 32-byte half h holds rows 0-7 in its low 16 bytes and rows 8-15 in its high 16 bytes (2 weights each), so
+// one packed group is two 8-row halves here.
 template <Layout L, int R>
 void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t first_row, float* out,
                 int64_t out_stride) {
