@@ -214,6 +214,11 @@ class ModelRunner:
             raise ValueError(
                 "LoRA adapters are not supported with tensor parallelism (--tensor-parallel-size)"
             )
+        if arch.moe is not None:
+            raise ValueError(
+                f"{arch.architecture} (a mixture of experts) is not supported with tensor parallelism"
+                " (--tensor-parallel-size): its experts are not split"
+            )
         if arch.vision is not None:
             raise ValueError(
                 f"{arch.architecture} (a multimodal model) is not supported with tensor parallelism"

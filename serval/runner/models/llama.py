@@ -1,7 +1,9 @@
-"""The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
+and their mixture-of-experts forms: Mixtral, Qwen2-MoE, Qwen3-MoE (a sparse MLP, runner/moe.py, in some or
+all layers).
 
 These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
-names and are packed into fused q/k/v and gate/up matrices as they load.
+names and are packed into fused q/k/v and gate/up matrices (and stacked expert matrices) as they load.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from serval.runner.layers import (
     small_batch_linear,
 )
 from serval.runner.models.arch import ArchConfig
+from serval.runner.moe import SparseMoe, expert_shards, expert_weight_target, split_fused_experts
 
 if TYPE_CHECKING:
     from serval.runner.lora import LoraBatch
@@ -65,12 +68,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        if arch.moe is not None and arch.moe.is_sparse(index):
+            self.mlp = SparseMoe(arch.hidden_size, arch.moe)
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         # Tensor parallelism (runner/parallel/): sums each block half's partial output over the ranks.
         self.all_reduce = None
 
@@ -109,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False)
         self.max_positions = max_positions
@@ -195,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_tied_head is not None:
             self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.use_kernels(kernels, int8_batch_activations)
         self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size, int8_batch_activations)
 
     def use_tensor_parallel(self, all_reduce) -> None:
@@ -212,7 +221,11 @@ class LlamaForCausalLM(nn.Module):
         block_size: int,
         int8_batch_activations: bool = False,
     ):
-        """The native DecodeStack over these layers' weights and caches (computes what forward computes)."""
+        """The native DecodeStack over these layers' weights and caches (computes what forward computes), or
+        None for a mixture of experts. NOTE: the stack knows dense MLPs only; a sparse layer's experts run in
+        one native call each (kernels/moe.cpp), between which the per-layer path costs a few Python calls."""
+        if self.arch.moe is not None:
+            return None
         none = torch.empty(0)
 
         def linear(module: Linear) -> list[torch.Tensor]:
@@ -254,13 +267,21 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self.lm_head is None and name == "lm_head.weight":
             return None  # some tied checkpoints still carry a copy
+        if self.arch.moe is not None:
+            target = expert_weight_target(name, self.arch.moe.num_experts)
+            if target is not None:
+                return target
         for suffix, (fused, index) in _FUSED.items():
             if f".{suffix}." in f".{name}":
                 return name.replace(suffix, fused), index
         return name, None
 
     def num_shards(self, parameter: str) -> int:
-        """How many checkpoint tensors make up one of our parameters (q/k/v and gate/up are fused)."""
+        """How many checkpoint tensors make up one of our parameters (q/k/v and gate/up are fused, and each
+        of the experts' projections is stacked over the experts)."""
+        experts = self._expert_shards(parameter)
+        if experts is not None:
+            return experts[0]
         shards = [index for fused, index in _FUSED.values() if parameter.endswith(f"{fused}.weight")]
         return max(shards) + 1 if shards else 1
 
@@ -276,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         # matrix for a placeholder meanwhile (a dict of the parameters would keep every dense copy alive).
         params = {name for name, _ in self.named_parameters()}
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._per_expert(weights):
             if hf_name.removeprefix("model.") == "rotary_emb.freq_factors":
                 self.rotary = self._make_rotary(tensor).to(self.embed_tokens.weight.device)
                 continue
@@ -307,22 +328,37 @@ class LlamaForCausalLM(nn.Module):
         }
         for suffix, (fused, shard) in _FUSED.items():
             layout[suffix] = (fused, *self.shard_range(fused, shard))
+        if self.arch.moe is not None:  # NOTE: adapters of experts are not served; attention's are
+            layout = {suffix: target for suffix, target in layout.items() if suffix.startswith("self_attn.")}
         return layout
 
     def shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
         arch = self.arch
+        experts = self._expert_shards(fused_name)
+        if experts is not None:
+            return shard * experts[1], experts[1]
         if "qkv_proj" in fused_name:
             q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
         return shard * arch.intermediate_size, arch.intermediate_size
 
+    def _expert_shards(self, parameter: str) -> tuple[int, int] | None:
+        moe = self.arch.moe
+        return None if moe is None else expert_shards(parameter, self.arch.hidden_size, moe)
+
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        # A state dict of transformers 5 holds each layer's experts in 3-D tensors; checkpoints hold one
+        # tensor per expert and projection, which is what the stacked matrices are fused from.
+        for name, tensor in weights:
+            split = split_fused_experts(name, tensor) if self.arch.moe is not None else None
+            yield from [(name, tensor)] if split is None else split
+
     def _check_all_loaded(self, loaded: set[str]) -> None:
         expected = set()
         for name, _ in self.named_parameters():
-            if "qkv_proj" in name:
-                expected.update(f"{name}#{i}" for i in range(3))
-            elif "gate_up_proj" in name:
-                expected.update(f"{name}#{i}" for i in range(2))
+            shards = self.num_shards(name.replace(".bias", ".weight"))  # a fused bias has the same shards
+            if shards > 1:
+                expected.update(f"{name}#{i}" for i in range(shards))
             else:
                 expected.add(f"{name}#None")
         missing = sorted(expected - loaded)

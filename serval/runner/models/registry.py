@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import importlib
 
-# architecture name -> (module, class). Mistral and Qwen differ from Llama only in ArchConfig flags.
+# architecture name -> (module, class). Mistral, Qwen and their MoE forms differ from Llama only in ArchConfig.
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    # Their mixtures of experts: the same decoder with sparse MLPs (ArchConfig.moe, runner/moe.py).
+    "MixtralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serval.runner.models.qwen2_vl",

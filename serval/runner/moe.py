@@ -1,0 +1,182 @@
+"""The sparse mixture-of-experts MLP: a router, top-k experts per token, and (Qwen2-MoE) a shared expert.
+
+Each projection of all the layer's experts is one stacked matrix, a `Linear` of num_experts x its rows
+(expert e's gate rows are e*I .. (e+1)*I - 1), so the loader packs it like any matrix: a GGUF file's 3-D
+`ffn_*_exps` tensor is exactly that matrix's blocks, packed at the file's size with no dense copy, and a
+checkpoint's per-expert tensors are its row shards. With the native kernels the experts run in one call
+(kernels/moe.cpp: tokens grouped by expert, every (expert, block of rows) in parallel); the PyTorch path
+below is the reference it is tested against, and serves dense checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serval.runner.layers import GatedMLP, Linear
+from serval.runner.models.arch import MoeArch
+from serval.runner.quantization import PackedWeight
+
+# The per-expert checkpoint names of one projection, Qwen-MoE's (`mlp.experts.E.gate_proj`) and Mixtral's
+# (`block_sparse_moe.experts.E.w1`: w1 gate, w3 up, w2 down) -> our stacked matrix.
+_EXPERT_TENSOR = re.compile(
+    r"(?P<layer>layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<part>\w+)\.weight"
+)
+_EXPERT_PARTS = {
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
+# transformers 5's in-memory layout (what a state dict holds): all experts in 3-D tensors, gate and up fused.
+_FUSED_EXPERTS = re.compile(r"(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<part>gate_up_proj|down_proj)")
+
+
+class ExpertStacks(nn.Module):
+    """The routed experts' three projections, each stacked over the experts: gate_proj and up_proj
+    (num_experts * inter, hidden), down_proj (num_experts * hidden, inter)."""
+
+    def __init__(self, hidden_size: int, moe: MoeArch):
+        super().__init__()
+        self.num_experts, self.inter, self.hidden = moe.num_experts, moe.expert_intermediate_size, hidden_size
+        self.gate_proj = Linear(hidden_size, self.num_experts * self.inter, bias=False)
+        self.up_proj = Linear(hidden_size, self.num_experts * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, self.num_experts * hidden_size, bias=False)
+
+    def expert_weight(self, projection: Linear, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's (rows, K) matrix of a stacked projection: a view of the dense weight, or its rows
+        dequantized exactly from the packed form when the dense copy was released."""
+        rows = projection.out_features // self.num_experts
+        packed = projection.packed
+        if packed is None:
+            return projection.weight[expert * rows : (expert + 1) * rows]
+        return packed.rows(torch.arange(expert * rows, (expert + 1) * rows)).to(dtype)
+
+    def packed_parts(self) -> list[list[torch.Tensor]] | None:
+        """The three stacks' packed tensors for kernels.moe_experts, or None unless all three are packed
+        block matrices (one layout each)."""
+        stacks = [p.packed for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        if not all(isinstance(s, PackedWeight) and s.bits != 16 for s in stacks):
+            return None
+        return [[s.codes, s.scales, s.offsets, s.super_scales] for s in stacks]
+
+
+class SparseMoe(nn.Module):
+    """Router, routed experts and optional shared expert of one sparse layer (transformers'
+    Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock compute the same)."""
+
+    def __init__(self, hidden_size: int, moe: MoeArch):
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = ExpertStacks(hidden_size, moe)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        # kernels.moe_experts and its packed stacks, set by use_kernels; None: the PyTorch path
+        self.native_kernel = None
+        self.native_parts: list[list[torch.Tensor]] | None = None
+        self.int8_batch_activations = False
+
+    def use_kernels(self, kernels, int8_batch_activations: bool) -> None:
+        parts = self.experts.packed_parts()
+        self.native_kernel = None if parts is None else kernels.moe_experts
+        self.native_parts = parts
+        self.int8_batch_activations = int8_batch_activations
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights: (num_tokens, top_k) int64 ids and fp32 weights, the
+        heaviest first. Ties go to the lower expert id (a stable sort), whatever the batch."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (num_tokens, num_experts)
+        weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+        weights, ids = weights[:, : self.top_k], ids[:, : self.top_k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # (num_tokens, hidden) -> fp32
+        ids, weights = self.route(x)
+        if self.native_kernel is not None:
+            e = self.experts
+            out = self.native_kernel(
+                x, ids, weights, *self.native_parts, e.num_experts, e.inter, e.hidden, self.int8_batch_activations
+            )
+        else:
+            out = self.experts_reference(x, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x).float()
+            out = out + torch.sigmoid(self.shared_expert_gate(x).float()) * shared
+        return out
+
+    def experts_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts in PyTorch, one expert at a time over the tokens that chose it."""
+        stacks = self.experts
+        out = torch.zeros(x.shape[0], stacks.hidden, dtype=torch.float32)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (num_tokens * top_k,) grouped by expert
+        counts = torch.bincount(flat, minlength=stacks.num_experts).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens = slots // self.top_k
+            xe = x[tokens]
+            gate = xe @ stacks.expert_weight(stacks.gate_proj, expert, x.dtype).t()
+            up = xe @ stacks.expert_weight(stacks.up_proj, expert, x.dtype).t()
+            y = (F.silu(gate) * up) @ stacks.expert_weight(stacks.down_proj, expert, x.dtype).t()
+            out.index_add_(0, tokens, y.float() * weights.flatten()[slots, None])
+        return out
+
+
+def expert_weight_target(name: str, num_experts: int) -> tuple[str, int | None] | None:
+    """Our parameter and shard for a checkpoint tensor of a sparse layer's experts (name without
+    `model.`), or None if it is not one: per-expert tensors are row shards of the stacked matrices."""
+    match = _EXPERT_TENSOR.fullmatch(name)
+    if match is not None and match["part"] in _EXPERT_PARTS:
+        expert = int(match["expert"])
+        if expert >= num_experts:
+            raise ValueError(f"weight {name!r} names expert {expert} of a model with {num_experts}")
+        return f"{match['layer']}.mlp.experts.{_EXPERT_PARTS[match['part']]}.weight", expert
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for hf, ours in (("shared_expert.gate_proj.", 0), ("shared_expert.up_proj.", 1)):
+        if f".mlp.{hf}" in name:
+            return name.replace(hf, "shared_expert.gate_up_proj."), ours
+    if name.endswith(".mlp.gate.weight") or ".mlp.shared_expert" in name:
+        return name, None
+    return None
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5's 3-D expert tensors (a state dict's `mlp.experts.gate_up_proj` (E, 2I, H) and
+    `down_proj` (E, H, I)) as the per-expert tensors a saved checkpoint holds; None for any other tensor."""
+    match = _FUSED_EXPERTS.search(name)
+    if match is None or tensor.dim() != 3:
+        return None
+    prefix = name[: match.start()] + match["layer"] + ".mlp.experts"
+    if match["part"] == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", t) for e, t in enumerate(tensor)]
+    inter = tensor.shape[1] // 2
+    split = []
+    for e, t in enumerate(tensor):
+        split += [(f"{prefix}.{e}.gate_proj.weight", t[:inter]), (f"{prefix}.{e}.up_proj.weight", t[inter:])]
+    return split
+
+
+def expert_shards(parameter: str, hidden_size: int, moe: MoeArch) -> tuple[int, int] | None:
+    """(shards, rows per shard) of a parameter fused from several checkpoint tensors in a sparse layer:
+    a stacked projection (one shard per expert) or the shared expert's gate/up; None for any other."""
+    if parameter.endswith(("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")):
+        return moe.num_experts, moe.expert_intermediate_size
+    if parameter.endswith("mlp.experts.down_proj.weight"):
+        return moe.num_experts, hidden_size
+    if parameter.endswith("mlp.shared_expert.gate_up_proj.weight"):
+        return 2, moe.shared_expert_intermediate_size
+    return None
