@@ -45,6 +45,7 @@ SOURCES = tuple(
         "quantized_int8.cpp",
         "half_linear.cpp",
         "gguf_repack.cpp",
+        "moe.cpp",
     )
 )
 _HEADERS = tuple(

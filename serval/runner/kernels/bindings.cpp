@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
   // From how many rows int8_batch_activations takes int8 x (0: never in this build).
   m.attr("int8_rows_from") = int8_rows_from();
+  m.def("moe_experts", &moe_experts,
+        "a sparse MoE layer's routed experts (tokens grouped by expert, experts in parallel) over packed stacks",
+        release());
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
   m.def("gguf_packed_buffers", &gguf_packed_buffers, "the empty packed buffers of a GGUF type's matrix", release());
   m.def("pack_gguf_blocks_into", &pack_gguf_blocks_into,

@@ -108,6 +108,10 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
 int64_t int8_rows_from();
 // x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
+// A sparse MoE layer's routed experts over packed stacked expert matrices (moe.cpp); (tokens, hidden) fp32.
+at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
+                       std::vector<at::Tensor> up, std::vector<at::Tensor> down, int64_t num_experts, int64_t inter,
+                       int64_t hidden, bool int8_batch_activations);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].
 std::vector<at::Tensor> pack_gguf_blocks(at::Tensor raw, int64_t type, int64_t rows, int64_t K);
 std::vector<at::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K);

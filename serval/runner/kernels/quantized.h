@@ -238,4 +238,17 @@ bool has_int8_rows(Layout layout);
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                       int64_t out_stride);
 
+// Whether a tensor holds values (an absent offsets or super-scales tensor is empty or undefined).
+bool present(const at::Tensor& t);
+
+// The layout of a packed matrix from its tensors, each checked against x's width K (quantized_linear.cpp).
+Layout packed_layout(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                     const at::Tensor& super, int64_t K);
+
+// out = x @ w.T for M rows of fp32 x, the path chosen as quantized_linear chooses it for fp32 x: int8 x where
+// asked and the build has it for the layout, int16 x up to 16 rows, else the fp32 tiles (quantized_linear.cpp).
+// Called inside a parallel region (kernels/moe.cpp) it runs on the calling thread alone.
+void matmul_packed_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
+                        int64_t out_stride, bool int8_batch_activations);
+
 }  // namespace serval_kernels::quantized

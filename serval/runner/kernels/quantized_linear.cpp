@@ -233,6 +233,23 @@ GroupRows group_rows_for(Layout layout, int64_t rows) {
   return with_layout(layout, [&](auto L) { return group_rows_for<decltype(L)::value>(rows); });
 }
 
+// Rows of int16 x (quantized per block) through group_rows, in passes of kMaxRows over each group, whose codes
+// stay in L1 between passes.
+void run_integer_rows(const Int16Rows& xq, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
+                  int64_t out_stride) {
+  const GroupRows run_full = group_rows_for(layout, kMaxRows), run_rest = group_rows_for(layout, M % kMaxRows);
+  // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
+  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+    for (int64_t G = begin; G < end; ++G)
+      for (int64_t r = 0; r < M; r += kMaxRows)
+        (M - r >= kMaxRows ? run_full : run_rest)(w, G, xq, r, out + r * out_stride + G * kGroup, out_stride);
+  });
+}
+
+}  // namespace
+
+namespace serval_kernels::quantized {
+
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // The layout of a packed matrix from its tensors (quantized.h), each checked against x's width K.
@@ -282,6 +299,21 @@ Layout packed_layout(const at::Tensor& codes, const at::Tensor& scales, const at
               (!has_super || super.is_contiguous()), "packed tensors: contiguous");
   return layout;
 }
+
+void matmul_packed_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
+                        int64_t out_stride, bool int8_batch_activations) {
+  if (int8_batch_activations && has_int8_rows(layout) && M >= int8_rows_from()) {
+    matmul_int8_rows(x, M, w, layout, num_groups, out, out_stride);
+  } else if (M <= kIntegerRowsMax) {
+    run_integer_rows(quantize_rows<int16_t>(x, M, w.K), M, w, layout, num_groups, out, out_stride);
+  } else {
+    matmul_dequantized_tiles(x, M, w, layout, num_groups, out, out_stride);
+  }
+}
+
+}  // namespace serval_kernels::quantized
+
+namespace {
 
 // out (M, padded) fp32 -> (M, N) in dtype. NOTE: a loop rather than narrow + to: for a decode step's few
 // rows these are a dozen tensor ops' dispatch (a microsecond each, 120 matmuls a token) around a copy of a
@@ -343,15 +375,7 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
     const Int16Rows xq = xf.scalar_type() == at::kFloat
                              ? quantize_rows<int16_t>(xf.data_ptr<float>(), M, K)
                              : quantize_rows<int16_t>(xf.data_ptr<at::BFloat16>(), M, K);
-    // Rows in passes of kMaxRows over each group, whose codes stay in L1 between passes.
-    const GroupRows run_full = group_rows_for(layout, kMaxRows), run_rest = group_rows_for(layout, M % kMaxRows);
-    const int64_t ldo = out.size(1);
-    // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
-    parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
-      for (int64_t G = begin; G < end; ++G)
-        for (int64_t r = 0; r < M; r += kMaxRows)
-          (M - r >= kMaxRows ? run_full : run_rest)(w, G, xq, r, op + r * ldo + G * kGroup, ldo);
-    });
+    run_integer_rows(xq, M, w, layout, num_groups, op, out.size(1));
   } else if (bf16_products) {
     const auto xb = x.contiguous();
     matmul_bf16_tiles(xb.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));

@@ -1,8 +1,9 @@
 """Reading a llama.cpp GGUF file as a Hugging Face checkpoint: a config.json-style dict and named weights.
 
 Owns the translation from llama.cpp's conventions to Hugging Face's: metadata keys to config fields, tensor
-names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`) and, for the llama architecture,
-undoing the converter's reordering of q/k rows. The byte layouts of quantized data live in `dequant.py`.
+names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`; a 3-D `blk.N.ffn_gate_exps.weight`
+-> one `model.layers.N.mlp.experts.E.gate_proj.weight` per expert) and, for the llama architecture, undoing
+the converter's reordering of q/k rows. The byte layouts of quantized data live in `dequant.py`.
 Everything downstream of this module sees the same names and values a safetensors checkpoint would give.
 """
 
@@ -37,8 +38,15 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "llama": ("LlamaForCausalLM", "llama"),
         "qwen2": ("Qwen2ForCausalLM", "qwen2"),
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+        "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+        "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     }
 )
+# llama.cpp writes Mixtral as llama with experts.
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# Whether the routing weights are renormalized over the chosen experts when the file has no
+# {arch}.expert_weights_norm (llama.cpp's defaults per architecture).
+_RENORMALIZES_BY_DEFAULT = MappingProxyType({"llama": True, "qwen2moe": False, "qwen3moe": True})
 # Architectures whose converter interleaves the two rotary halves of every q/k head
 # (gguf_pack.unpermute_rows undoes it).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -65,9 +73,21 @@ _LAYER_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        # mixtures of experts: the router, and Qwen2-MoE's shared expert and its gate
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
 )
+# The experts' 3-D tensors (one matrix per expert), and the per-expert tensors of older Mixtral files
+# (`blk.N.ffn_gate.E.weight`).
+_EXPERT_PARTS: MappingProxyType[str, str] = MappingProxyType(
+    {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_OLD_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -95,6 +115,33 @@ def metadata_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
 def _float(value: float) -> float:
     # GGUF stores these as float32; print them the way float32 does so 1e-5 reads 1e-05, not 9.99999974e-06
     return float(str(np.float32(value)))
+
+
+def _moe_config(reader: GGUFFile, arch: str, num_layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """The Hugging Face config keys of a mixture of experts' GGUF ({arch}.expert_* metadata); empty for a
+    dense model. A layer without a router is dense (mlp_only_layers)."""
+    num_experts = metadata_value(reader, f"{arch}.expert_count", 0)
+    if not num_experts:
+        return {}
+    feed_forward = metadata_value(reader, f"{arch}.feed_forward_length")
+    config: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": metadata_value(reader, f"{arch}.expert_used_count"),
+        # Mixtral's experts are feed_forward_length wide; Qwen-MoE's have their own width
+        "moe_intermediate_size": metadata_value(reader, f"{arch}.expert_feed_forward_length", feed_forward),
+        "norm_topk_prob": bool(
+            metadata_value(reader, f"{arch}.expert_weights_norm", _RENORMALIZES_BY_DEFAULT.get(arch, True))
+        ),
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
+    if config["num_experts_per_tok"] is None:
+        raise ValueError(f"GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count")
+    shared = metadata_value(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        config["shared_expert_intermediate_size"] = shared
+    if arch == "llama":
+        config["intermediate_size"] = config["moe_intermediate_size"]
+    return config
 
 
 def _architecture(reader: GGUFFile) -> str:
@@ -156,13 +203,18 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         if not tokens:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab_size = len(tokens)
-    class_name, model_type = _ARCHITECTURES[arch]
+    num_layers = required("block_count")
+    moe = _moe_config(reader, arch, num_layers, tensor_names)
+    class_name, model_type = _MIXTRAL if arch == "llama" and moe else _ARCHITECTURES[arch]
+    feed_forward = metadata_value(reader, f"{arch}.feed_forward_length")
+    if feed_forward is None and not moe:
+        raise ValueError(f"GGUF metadata has no {arch}.feed_forward_length")
     config: dict[str, Any] = {
         "architectures": [class_name],
         "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": required("feed_forward_length"),
-        "num_hidden_layers": required("block_count"),
+        "intermediate_size": feed_forward or moe["moe_intermediate_size"],
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         # NOTE: some converters write per-layer lists here; the dense models served here have one value
         "num_key_value_heads": max(num_kv_heads) if isinstance(num_kv_heads, list) else num_kv_heads,
@@ -178,6 +230,7 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }
+    config.update(moe)
     pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
@@ -204,14 +257,33 @@ def weight_formats(reader: GGUFFile) -> tuple[str, ...]:
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama.cpp tensor name; ValueError for one this loader does not know."""
+    """The Hugging Face name of a llama.cpp tensor name; ValueError for one this loader does not know (or
+    for a 3-D expert tensor, which has one name per expert: hf_matrix_names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    old_expert = _OLD_EXPERT_TENSOR.fullmatch(gguf_name)
+    if old_expert is not None:
+        layer, part, expert = old_expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def hf_matrix_names(tensor) -> list[str]:
+    """The Hugging Face names of a tensor's matrices: one per expert of a 3-D `ffn_*_exps` tensor (the
+    checkpoint's per-expert names), else its one name."""
+    match = _LAYER_TENSOR.fullmatch(tensor.name)
+    if match is None or match.group(2) not in _EXPERT_PARTS:
+        return [hf_tensor_name(tensor.name)]
+    layer, part, kind = match.groups()
+    if kind != "weight" or len(tensor.shape) != 3:
+        raise ValueError(f"unexpected expert tensor {tensor.name!r} of shape {tensor.shape} in GGUF file")
+    return [
+        f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PARTS[part]}.weight" for e in range(tensor.shape[2])
+    ]
 
 
 # Matrices of these types are kept as the file stores them (quantization.sixteen_bit_form).
@@ -220,23 +292,25 @@ _SIXTEEN_BIT_TYPES = frozenset({GGMLQuantizationType.F16, GGMLQuantizationType.B
 
 def packable_tensor_names(reader: GGUFFile) -> frozenset[str]:
     """The Hugging Face names of the file's matrices the quantized kernels run from their stored form."""
-    return frozenset(hf_tensor_name(t.name) for t in reader.tensors if _is_packable_matrix(t))
+    return frozenset(name for t in reader.tensors if _is_packable_matrix(t) for name in hf_matrix_names(t))
 
 
 def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
     """The GGML block type (Q4_0 ... Q6_K) of each matrix stored in one, by Hugging Face name."""
     return MappingProxyType(
         {
-            hf_tensor_name(t.name): int(t.tensor_type)
+            name: int(t.tensor_type)
             for t in reader.tensors
-            if len(t.shape) == 2 and t.tensor_type in BLOCK_CODE_TYPES
+            if len(t.shape) in (2, 3) and t.tensor_type in BLOCK_CODE_TYPES
+            for name in hf_matrix_names(t)
         }
     )
 
 
 def _is_packable_matrix(tensor) -> bool:
-    """A matrix stored in a block type the quantized kernels run packed, or in fp16/bf16."""
-    return len(tensor.shape) == 2 and (
+    """A matrix (or a 3-D stack of experts' matrices) stored in a block type the quantized kernels run
+    packed, or in fp16/bf16."""
+    return len(tensor.shape) in (2, 3) and (
         tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES
     )
 
@@ -270,7 +344,7 @@ def iter_gguf_weights(
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
     # dequantizing, not after
     _architecture(reader)
-    names = [hf_tensor_name(tensor.name) for tensor in reader.tensors]
+    names = [hf_matrix_names(tensor) for tensor in reader.tensors]
     unsupported = [t for t in reader.tensors if not is_supported(t.tensor_type)]
     if unsupported:
         first = unsupported[0]
@@ -284,26 +358,29 @@ def iter_gguf_weights(
     # rows of q_proj are grouped by query head, rows of k_proj by key/value head
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = progress(reader.tensors, desc="loading GGUF weights", unit="tensor")
-    for name, tensor in zip(names, tensors):
+    for matrix_names, tensor in zip(names, tensors):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
-        permuted = is_permuted and part in heads_of
+        heads = heads_of[part] if is_permuted and part in heads_of else None
         packable = packed_forms is not None and _is_packable_matrix(tensor)
-        if packable and name in packed_only:
-            weight = torch.empty(shape, device="meta")
-        else:
-            weight = dequantize(tensor.data, tensor.tensor_type, shape)
-            if permuted:
-                weight = unpermute_rows(weight, heads_of[part])
-        if packable and tensor.tensor_type in _SIXTEEN_BIT_TYPES:
-            values = _sixteen_bit_from_file(tensor.data, tensor.tensor_type, shape)
-            packed_forms[name] = sixteen_bit_form(
-                unpermute_rows(values, heads_of[part]) if permuted else values
-            )
-        elif packable:
-            heads = heads_of[part] if permuted else None
-            packed_forms[name] = packed_from_blocks(
-                tensor.data, tensor.tensor_type, shape, heads, repack, name
-            )
-        reader.release_pages(tensor.data_offset, tensor.n_bytes)  # both results own their memory
-        yield name, weight
+        # A 3-D tensor is one matrix per expert (its data's first axis), each yielded under its own name.
+        stacked = len(matrix_names) > 1 or len(shape) == 3
+        for index, name in enumerate(matrix_names):
+            data, matrix_shape = (tensor.data[index], shape[1:]) if stacked else (tensor.data, shape)
+            if packable and name in packed_only:
+                weight = torch.empty(matrix_shape, device="meta")
+            else:
+                weight = dequantize(data, tensor.tensor_type, matrix_shape)
+                if heads is not None:
+                    weight = unpermute_rows(weight, heads)
+                if name.endswith("shared_expert_gate.weight"):  # ggml's [n_embd] is HF's (1, hidden)
+                    weight = weight.reshape(1, -1)
+            if packable and tensor.tensor_type in _SIXTEEN_BIT_TYPES:
+                values = _sixteen_bit_from_file(data, tensor.tensor_type, matrix_shape)
+                packed_forms[name] = sixteen_bit_form(values if heads is None else unpermute_rows(values, heads))
+            elif packable:
+                packed_forms[name] = packed_from_blocks(
+                    data, tensor.tensor_type, matrix_shape, heads, repack, name
+                )
+            yield name, weight
+        reader.release_pages(tensor.data_offset, tensor.n_bytes)  # every result owns its memory
