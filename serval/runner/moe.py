@@ -83,17 +83,29 @@ class SparseMoe(nn.Module):
         self.native_kernel = None
         self.native_parts: list[list[torch.Tensor]] | None = None
         self.int8_batch_activations = False
+        # kernels.router_logits and the router's fp32 weight (1 MB for 128 experts of 2048), set by use_kernels
+        self.router_kernel = None
+        self.router_weight: torch.Tensor | None = None
 
     def use_kernels(self, kernels, int8_batch_activations: bool) -> None:
         parts = self.experts.packed_parts()
         self.native_kernel = None if parts is None else kernels.moe_experts
         self.native_parts = parts
         self.int8_batch_activations = int8_batch_activations
+        router = self.gate
+        if router.packed is None:  # a quantized router keeps its packed kernel (rare: files keep it F32)
+            self.router_kernel = kernels.router_logits
+            self.router_weight = router.weight.detach().float().contiguous()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights: (num_tokens, top_k) int64 ids and fp32 weights, the
-        heaviest first. Ties go to the lower expert id (a stable sort), whatever the batch."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (num_tokens, num_experts)
+        heaviest first. Ties go to the lower expert id (a stable sort); with the native router the scores
+        are the same bits whatever the batch, so the choice is too."""
+        if self.router_kernel is not None:
+            logits = self.router_kernel(x, self.router_weight)
+        else:
+            logits = self.gate(x).float()
+        probs = torch.softmax(logits, dim=-1)  # (num_tokens, num_experts)
         weights, ids = probs.sort(dim=-1, descending=True, stable=True)
         weights, ids = weights[:, : self.top_k], ids[:, : self.top_k]
         if self.renormalize:

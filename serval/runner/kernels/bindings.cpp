@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts,
         "a sparse MoE layer's routed experts (tokens grouped by expert, experts in parallel) over packed stacks",
         release());
+  m.def("router_logits", &router_logits, "a MoE router's logits, the same bits whatever the batch", release());
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "a GGUF block-quantized matrix's bytes, packed", release());
   m.def("gguf_packed_buffers", &gguf_packed_buffers, "the empty packed buffers of a GGUF type's matrix", release());
   m.def("pack_gguf_blocks_into", &pack_gguf_blocks_into,

@@ -112,6 +112,8 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
                        std::vector<at::Tensor> up, std::vector<at::Tensor> down, int64_t num_experts, int64_t inter,
                        int64_t hidden, bool int8_batch_activations);
+// A MoE router's logits, one fixed-order dot product per (token, expert) (moe.cpp).
+at::Tensor router_logits(at::Tensor x, at::Tensor w);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].
 std::vector<at::Tensor> pack_gguf_blocks(at::Tensor raw, int64_t type, int64_t rows, int64_t K);
 std::vector<at::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K);

@@ -166,3 +166,22 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_we
   });
   return out;
 }
+
+// The router's logits x @ w.T, w (num_experts, hidden) fp32: each (token, expert) one dot product in a fixed
+// order, so a token's scores, and so its experts, do not depend on how many tokens share the step (a BLAS
+// matmul's blocking changes with the row count, and its last bits with it).
+at::Tensor router_logits(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (tokens, hidden), w (experts, hidden)");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "router weight: fp32");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const auto wc = w.contiguous();
+  const int64_t T = x.size(0), E = w.size(0), H = x.size(1);
+  auto out = at::empty({T, E}, xf.options());
+  const float *xp = xf.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_chunks(T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t e = 0; e < E; ++e) op[t * E + e] = dot(xp + t * H, wp + e * H, H);
+  });
+  return out;
+}

@@ -1,0 +1,161 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers, and the native expert kernel
+(kernels/moe.cpp) against the PyTorch expert path on the same packed weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from serval.config import CacheConfig, EngineConfig, ModelConfig
+from serval.engine.engine import Engine
+from serval.runner.moe import SparseMoe
+from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits
+
+MOE_ARCHITECTURES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+def _sparse_layers(engine: Engine) -> list[SparseMoe]:
+    return [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
+
+
+def _packed_engine(path: str, batch_activations: str = "int8") -> Engine:
+    # dtype auto: the packed kernels from the file's blocks (fp32 compute on a CPU without bf16)
+    model = ModelConfig(model=path, batch_activations=batch_activations)
+    return Engine(EngineConfig(model=model, cache=CacheConfig(num_blocks=64)))
+
+
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_logits_and_greedy_match_transformers(tiny_model_factory, architecture):
+    directory, reference = tiny_model_factory(architecture, False)
+    engine = _engine(directory)
+    assert _sparse_layers(engine), "the model has sparse layers"
+    for prompt in PROMPTS:
+        for end in (1, len(prompt)):
+            with torch.no_grad():
+                theirs = reference(torch.tensor([prompt[:end]])).logits[0, -1]
+            assert (_serval_logits(engine, prompt[:end]) - theirs).abs().max().item() < 1e-3
+    ours = _greedy(engine, PROMPTS, max_tokens=10)
+    for prompt, tokens in zip(PROMPTS, ours):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_qwen2_moe_keeps_its_dense_layer_and_shared_expert(tiny_model_factory):
+    directory, _ = tiny_model_factory("qwen2_moe", False)
+    layers = _engine(directory).runner.model.layers
+    assert not isinstance(layers[0].mlp, SparseMoe)  # mlp_only_layers=[0]
+    assert isinstance(layers[1].mlp, SparseMoe) and layers[1].mlp.shared_expert is not None
+
+
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_gguf_matches_transformers(tiny_model_factory, tmp_path, architecture):
+    # llama.cpp's layout: 3-D ffn_{gate,up,down}_exps, the router as ffn_gate_inp, expert_* metadata.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory(architecture, False)
+    path = str(tmp_path / f"{architecture}.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict())
+    engine = _engine(path)
+    assert engine.runner.arch.architecture == reference.config.architectures[0]
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (_serval_logits(engine, prompt) - theirs).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0]
+)
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_packed_experts_run_natively_and_agree_with_the_dense_path(tiny_model_factory, tmp_path, architecture, qtype):
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory(architecture, False)
+    path = str(tmp_path / f"{architecture}-{qtype.name}.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), qtype)
+    dense = Engine(
+        EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(num_blocks=64))
+    )
+    packed = _packed_engine(path)
+    if packed.runner.kernel_variant == "none":
+        pytest.skip("no native kernels on this machine")
+    sparse = _sparse_layers(packed)
+    assert sparse and all(m.native_kernel is not None for m in sparse), "the experts run in kernels.moe_experts"
+    # The stacks were packed from the file's blocks, never dense: their dense weights are placeholders.
+    assert all(m.experts.gate_proj.weight.stride() == (0, 0) for m in sparse)
+    for prompt in PROMPTS:
+        a, b = _serval_logits(dense, prompt), _serval_logits(packed, prompt)
+        assert (a - b).abs().max().item() < 2e-2
+        assert a.argmax() == b.argmax()
+    # With exact products (x rounded to int16 per block, 2^-15 of its largest value) the answers are the
+    # dense path's; int8 x (above, the default) rounds to 2^-7, within the bound but not every near-tie.
+    exact = _packed_engine(path, batch_activations="float32")
+    assert _greedy(exact, PROMPTS, max_tokens=8) == _greedy(dense, PROMPTS, max_tokens=8)
+
+
+def test_native_experts_equal_the_pytorch_path_on_the_same_packed_weights(tiny_model_factory, tmp_path):
+    # Both paths compute from the file's exact weights; only x's rounding (int8/int16 per block) differs.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory("qwen3_moe", False)
+    path = str(tmp_path / "q8.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0)
+    engine = _packed_engine(path)
+    if engine.runner.kernel_variant == "none":
+        pytest.skip("no native kernels on this machine")
+    moe = _sparse_layers(engine)[0]
+    torch.manual_seed(0)
+    for num_tokens in (1, 3, 17, 64):  # decode rows, few rows per expert, the tiles' batches
+        x = torch.randn(num_tokens, reference.config.hidden_size)
+        ids, weights = moe.route(x)
+        native = moe(x)
+        exact = moe.experts_reference(x, ids, weights)
+        assert native.shape == exact.shape and native.dtype == torch.float32
+        assert (native - exact).abs().max().item() < 2e-3 * exact.abs().max().item()
+
+
+def test_batched_equals_alone(tiny_model_factory, tmp_path):
+    # A sequence's greedy tokens do not depend on the other sequences of its steps (whose tokens choose
+    # other experts): the routing and each token's weighted sum are per token.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory("qwen3_moe", False)
+    path = str(tmp_path / "f32.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0)
+    together = _greedy(_packed_engine(path), PROMPTS, max_tokens=10)
+    alone = [_greedy(_packed_engine(path), [prompt], max_tokens=10)[0] for prompt in PROMPTS]
+    assert together == alone
+
+
+def test_routing_ties_go_to_the_lower_expert_whatever_the_batch(tmp_path):
+    # torch.topk (transformers' router) orders tied values arbitrarily, even differently between rows; serval
+    # breaks ties by expert id, so a token's experts are a function of its own scores alone.
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    reference = write_tiny_model(str(tmp_path), "mixtral")  # its own copy: the router is edited below
+    engine = _engine(str(tmp_path))
+    ours = _sparse_layers(engine)[0]
+    theirs = reference.model.layers[0].mlp.gate
+    # Experts 2, 5 and 6 get the same router row: every token scores them equally.
+    with torch.no_grad():
+        for router in (ours.gate.weight, theirs.weight):
+            router[2] *= 5.0  # the tied three are the top choices wherever their score is positive
+            router[5] = router[2]
+            router[6] = router[2]
+    torch.manual_seed(0)
+    x = torch.randn(32, reference.config.hidden_size)
+    ids, weights = ours.route(x)
+    _, their_weights, their_ids = theirs(x)
+    assert torch.allclose(weights, their_weights.float(), atol=1e-6)  # the same scores, whichever expert
+    top_is_tied = torch.isin(ids[:, 0], torch.tensor([2, 5, 6]))
+    assert top_is_tied.any() and (~top_is_tied).any(), "some rows tie, some do not"
+    assert (ids[top_is_tied] == torch.tensor([2, 5])).all()  # the lower ids of the tied three
+    untied = ~torch.isin(their_ids, torch.tensor([2, 5, 6])).any(dim=1)
+    assert torch.equal(ids[untied], their_ids[untied])
+    for row in range(x.shape[0]):  # alone, each row routes as it did in the batch
+        alone_ids, alone_weights = ours.route(x[row : row + 1])
+        assert torch.equal(alone_ids[0], ids[row]) and torch.equal(alone_weights[0], weights[row])
