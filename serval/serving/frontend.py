@@ -25,6 +25,7 @@ from serval.serving.drain import CUT_OFF, Drain
 from serval.serving.errors import InvalidRequestError, from_engine, from_failure
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
+from serval.serving.harmony import STRUCTURE_TOKENS, prompt_message
 from serval.serving.lora import LoraAdapters
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.loader import MediaLoader
@@ -67,9 +68,11 @@ class Frontend:
             if source is not None
             else None
         )
-        self.tool_format = format_for_template(source, tool_call_format)
-        # xgrammar is imported, and its worker processes started, on the first structured request.
-        self.grammars = GrammarCompiler(tokenizer, grammar_limits)
+        self.tool_format = format_for_template(source, tool_call_format, tokenizer.special_token_texts)
+        # xgrammar is imported, and its worker processes started, on the first structured request. A harmony
+        # answer keeps its structure tokens as text, so its grammars may write them.
+        text_tokens = frozenset(STRUCTURE_TOKENS) if self.tool_format.is_harmony else frozenset()
+        self.grammars = GrammarCompiler(tokenizer, grammar_limits, text_tokens)
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
         self.text_threads = TextThreads()
@@ -215,6 +218,7 @@ class Frontend:
             grammar=grammar,
             thinking_budget=budget,
             think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
+            harmony_prefix=prompt_message(segments) if self.tool_format.is_harmony else None,
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 
