@@ -219,6 +219,7 @@ class Frontend:
             thinking_budget=budget,
             think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
             harmony_prefix=prompt_message(segments) if self.tool_format.is_harmony else None,
+            is_json_answer=grammar is not None and options.response_format.type != "text",
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 

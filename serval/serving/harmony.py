@@ -20,7 +20,9 @@ What must hold:
 - The text keeps the special tokens (ChoiceStream decodes with them when the plan is harmony): the channel
   markers are the structure.
 - Tool-call markup is never content, and nothing of a call is sent before its arguments begin (the rule of
-  serving/tool_call_parsers.py). A model that leaves the format is not an error: text outside any message,
+  serving/tool_call_parsers.py). Inside JSON (a call's arguments, a grammar-made JSON answer) a
+  terminator's spelling within a string is the string's text: a grammar may write the structure tokens, so
+  a sampled `<|end|>` can land there. A model that leaves the format is not an error: text outside any message,
   a header that is no harmony header, and a call whose body is not a JSON object are shown as content.
 """
 
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from serval.serving.reasoning import ReasoningText
 from serval.serving.structured import MAX_WHITESPACE
-from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart
+from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, _JsonScanner
 
 if TYPE_CHECKING:
     from serval.serving.client_text import Segment
@@ -105,10 +107,15 @@ class HarmonyParser:
     """One choice's harmony text -> reasoning, content and tool-call events.
 
     parses_tool_calls: tools are offered, so a message to `functions.NAME` is a call (otherwise its text is
-    content). prefix: the message the prompt ends in (prompt_message); the output continues it."""
+    content). prefix: the message the prompt ends in (prompt_message); the output continues it.
+    is_json_answer: a final message is JSON (the grammar made it: response_format)."""
 
-    def __init__(self, parses_tool_calls: bool, prefix: str = GENERATION_PROMPT) -> None:
+    def __init__(
+        self, parses_tool_calls: bool, prefix: str = GENERATION_PROMPT, is_json_answer: bool = False
+    ) -> None:
         self.parses_tool_calls = parses_tool_calls
+        self.is_json_answer = is_json_answer
+        self.scanner: _JsonScanner | None = None  # the message's text is JSON: where its strings are
         self.state = "between"  # between messages | header | body
         self.buffer = ""
         self.has_role = True  # the header still starts with its role (after <|start|>)
@@ -182,36 +189,69 @@ class HarmonyParser:
 
     def _open(self, channel: str | None, recipient: str | None) -> None:
         self.state, self.has_shown, self.has_arguments, self.held_space = "body", False, False, ""
+        self.scanner = None
         if self.parses_tool_calls and recipient is not None and recipient.startswith(FUNCTIONS):
             self.kind, self.name = "call", recipient[len(FUNCTIONS) :]
         else:
             # NOTE: built-in tools (to=python, to=browser.*) are called from the analysis channel: reasoning.
             self.kind = "reasoning" if channel == "analysis" else "content"
+            if self.is_json_answer and channel == "final":
+                self.scanner = _JsonScanner()
 
     def _on_body(self, events: list[HarmonyEvent], final: bool) -> bool:
-        ends = [(at, marker) for marker in _TERMINATORS if (at := self.buffer.find(marker)) != -1]
-        if ends:
-            at, marker = min(ends)
+        if self.kind == "call" and not self.has_arguments:
+            self._begin_arguments(events)
+        at, marker = self._plain_end() if self.scanner is None else self._json_end()
+        if marker is not None:
             self._show(self.buffer[:at], events)
             self._close(events)
             self.buffer = self.buffer[at + len(marker) :]
             self.state, self.has_role = ("header", True) if marker == START else ("between", True)
             return True
-        held = _held_tail(self.buffer)
         if final:
             # A terminator cut short is markup; an uncut text's stray "<|" is text.
-            self._show(self.buffer[: len(self.buffer) - held] if self.is_cut else self.buffer, events)
+            self._show(self.buffer[:at] if self.is_cut else self.buffer, events)
             self.buffer = ""
             if not self.is_cut:
                 self._close(events)
             return False
-        self._show(self.buffer[: len(self.buffer) - held], events)
-        self.buffer = self.buffer[len(self.buffer) - held :]
+        self._show(self.buffer[:at], events)
+        self.buffer = self.buffer[at:]
         return False
+
+    def _plain_end(self) -> tuple[int, str | None]:
+        """(where the message's text ends in the buffer, the terminator there), or (where the text that may
+        still begin one starts, None)."""
+        ends = [(at, marker) for marker in _TERMINATORS if (at := self.buffer.find(marker)) != -1]
+        return min(ends) if ends else (len(self.buffer) - _held_tail(self.buffer), None)
+
+    def _json_end(self) -> tuple[int, str | None]:
+        """_plain_end for JSON text: a terminator inside a string is text. Moves the scanner over the text
+        before the returned offset (which the caller then consumes)."""
+        buffer, scanner = self.buffer, self.scanner
+        assert scanner is not None
+        for i, char in enumerate(buffer):
+            if not scanner.in_string and char == "<":
+                marker = next((m for m in _TERMINATORS if buffer.startswith(m, i)), None)
+                if marker is not None or any(m.startswith(buffer[i:]) for m in _TERMINATORS):
+                    return i, marker
+            scanner.scan(char)
+        return len(buffer), None
+
+    def _begin_arguments(self, events: list[HarmonyEvent]) -> None:
+        # A call starts with its arguments' "{"; a body that is something else is the model's text.
+        stripped = self.buffer.lstrip()
+        if stripped.startswith("{"):
+            events.append(ToolCallStart(self.num_calls, self.name))
+            self.num_calls += 1
+            self.buffer, self.has_arguments, self.scanner = stripped, True, _JsonScanner()
+        elif stripped and not stripped.startswith(_TERMINATORS) and _held_tail(stripped) < len(stripped):
+            self.buffer, self.kind = stripped, "content"
 
     def _show(self, text: str, events: list[HarmonyEvent]) -> None:
         if self.kind == "call":
-            self._arguments(text, events)
+            if self.has_arguments:
+                self._arguments(text, events)
             return
         if not text:
             return
@@ -222,17 +262,6 @@ class HarmonyParser:
         events.append(ReasoningText(text) if self.kind == "reasoning" else ContentText(text))
 
     def _arguments(self, text: str, events: list[HarmonyEvent]) -> None:
-        if not self.has_arguments:
-            text = text.lstrip()
-            if not text:
-                return
-            if not text.startswith("{"):
-                self.kind = "content"  # a call whose body is no JSON object: the model's text, shown
-                self._show(text, events)
-                return
-            events.append(ToolCallStart(self.num_calls, self.name))
-            self.num_calls += 1
-            self.has_arguments = True
         text = self.held_space + text
         arguments = text.rstrip()
         self.held_space = text[len(arguments) :]
@@ -244,7 +273,7 @@ class HarmonyParser:
         if self.kind == "call" and not self.has_arguments:
             events.append(ToolCallStart(self.num_calls, self.name))
             self.num_calls += 1
-        self.kind, self.held_space = "content", ""
+        self.kind, self.held_space, self.scanner = "content", "", None
 
 
 # ---- grammars

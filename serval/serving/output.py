@@ -37,6 +37,9 @@ class OutputPlan:
     # The answer is harmony messages (gpt-oss; serving/harmony.py): the message the prompt ends in, which the
     # output continues (harmony.prompt_message). None: not harmony.
     harmony_prefix: str | None = None
+    # harmony: the final message is JSON the grammar makes (response_format), so a terminator's spelling in
+    # one of its strings is text
+    is_json_answer: bool = False
 
     @property
     def is_plain(self) -> bool:
@@ -93,7 +96,9 @@ class OutputParser:
     def __init__(self, plan: OutputPlan) -> None:
         parses_tools = plan.tool_format is not None
         self.harmony = (
-            HarmonyParser(parses_tools, plan.harmony_prefix) if plan.harmony_prefix is not None else None
+            HarmonyParser(parses_tools, plan.harmony_prefix, plan.is_json_answer)
+            if plan.harmony_prefix is not None
+            else None
         )
         is_split = self.harmony is None
         parses_think = plan.parses_reasoning and is_split
