@@ -25,7 +25,7 @@ from serval.serving.drain import CUT_OFF, Drain
 from serval.serving.errors import InvalidRequestError, from_engine, from_failure
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
-from serval.serving.harmony import STRUCTURE_TOKENS, prompt_message
+from serval.serving.harmony import STRUCTURE_TOKENS, budget_end, prompt_message
 from serval.serving.lora import LoraAdapters
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.loader import MediaLoader
@@ -210,6 +210,8 @@ class Frontend:
         param = "tools" if options.uses_tools else "response_format"
         grammar = await self.grammars.compile(spec, param) if spec is not None else None
         budget = options.thinking_budget
+        is_harmony = self.tool_format.is_harmony
+        budget_end_text = budget_end(grammar is not None) if is_harmony else f"\n{THINK_END}\n\n"
         plan = OutputPlan(
             parses_reasoning=thinks,
             starts_in_reasoning=starts_in_reasoning,
@@ -217,8 +219,8 @@ class Frontend:
             tool_names=frozenset(t.name for t in options.tools),
             grammar=grammar,
             thinking_budget=budget,
-            think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
-            harmony_prefix=prompt_message(segments) if self.tool_format.is_harmony else None,
+            think_end_token_ids=tuple(self.tokenizer.encode(budget_end_text)) if budget else (),
+            harmony_prefix=prompt_message(segments) if is_harmony else None,
             is_json_answer=grammar is not None and options.response_format.type != "text",
         )
         return token_ids, plan, num_pinned_tokens, media_spans

@@ -276,6 +276,31 @@ class HarmonyParser:
         self.kind, self.held_space, self.scanner = "content", "", None
 
 
+class HarmonyReasoningCounter:
+    """Counts the tokens inside analysis messages' text (their `<|message|>` to their `<|end|>`), fed one
+    token's text at a time: what the thinking budget (serving/reasoning.py ThinkingBudget) counts."""
+
+    def __init__(self, prefix: str = GENERATION_PROMPT) -> None:
+        self.parser = HarmonyParser(parses_tool_calls=False, prefix=prefix)
+        self.num_reasoning_tokens = 0
+
+    @property
+    def is_reasoning(self) -> bool:
+        return self.parser.is_reasoning
+
+    def feed(self, text: str, num_tokens: int = 1) -> None:
+        was_reasoning = self.parser.is_reasoning
+        self.parser.feed(text)
+        if was_reasoning or self.parser.is_reasoning:
+            self.num_reasoning_tokens += num_tokens
+
+
+def budget_end(has_grammar: bool) -> str:
+    """What a thinking budget forces to end the analysis: the next message's header, and with no grammar to
+    choose the channel, the final answer's."""
+    return f"{END}{GENERATION_PROMPT}" if has_grammar else f"{END}{GENERATION_PROMPT}{CHANNEL}final{MESSAGE}"
+
+
 # ---- grammars
 
 

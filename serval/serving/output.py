@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serval.serving.harmony import HarmonyParser
+from serval.serving.harmony import HarmonyParser, HarmonyReasoningCounter
 from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkingBudget
 from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, ToolEvent
 from serval.serving.tool_calls import ToolCallFormat
@@ -65,6 +65,7 @@ class OutputPlan:
             vocab_size,
             self.starts_in_reasoning,
             inner,
+            HarmonyReasoningCounter(self.harmony_prefix) if self.harmony_prefix is not None else None,
         )
 
 

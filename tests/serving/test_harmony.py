@@ -230,6 +230,29 @@ def test_a_continued_final_message_is_the_parser_prefix(frontend):
     assert plan.harmony_prefix == "<|start|>assistant<|channel|>final<|message|>The sea is"
 
 
+def test_the_thinking_budget_ends_the_analysis_message(tokenizer, compiler):
+    options = ChatOptions(tools=TOOLS, tool_choice=ToolChoice("function", "get_time"), thinking_budget=3)
+    grammar = compiler.compile_now(grammar_spec(options, FORMATS["harmony"], "none"), "tools")
+    end_ids = tuple(tokenizer.encode(harmony.budget_end(has_grammar=True)))
+    plan = OutputPlan(tool_format=FORMATS["harmony"], grammar=grammar, thinking_budget=3,
+                      think_end_token_ids=end_ids, harmony_prefix="<|start|>assistant")  # fmt: skip
+    constraint = plan.new_constraint(tokenizer.token_bytes, tokenizer.vocab_size)
+    for token_id in tokenizer.encode("<|channel|>analysis<|message|>") + tokenizer.encode("abc")[:2]:
+        constraint.accept_token(token_id)
+    forced = []
+    for _ in end_ids:
+        bitmask = constraint.allowed_token_bitmask()
+        [token_id] = [i for i in range(tokenizer.vocab_size) if bitmask[i // 32] >> (i % 32) & 1]
+        constraint.accept_token(token_id)
+        forced.append(token_id)
+    assert tuple(forced) == end_ids
+    ids = _walk(constraint, tokenizer, 0)  # the grammar goes on with the call
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert (
+        text.startswith("<|channel|>commentary to=functions.get_time") and ids[-1] in tokenizer.eos_token_ids
+    )
+
+
 # ---- grammars
 
 
