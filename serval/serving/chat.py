@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from serval.serving import harmony
 from serval.serving.client_text import CacheSpan
 from serval.serving.media.parts import MediaPart
 from serval.serving.reasoning import THINK_END, THINK_START
@@ -84,11 +85,14 @@ def prepare_messages(
     the model can read."""
     # Each rewrite only puts text before a message's own (or after it): a span moves by that many characters.
     shifts = [0] * len(messages)
-    if options.preserve_thinking:
+    # NOTE: harmony templates decide themselves which earlier analysis to show (gpt-oss's: a tool-call turn's).
+    if options.preserve_thinking and not tool_format.is_harmony:
         rewritten = [_with_reasoning(m) for m in messages]
         shifts = [s + len(new.get("content") or "") - len(old.get("content") or "")
                   for s, old, new in zip(shifts, messages, rewritten)]  # fmt: skip
         messages = rewritten
+    if tool_format.is_harmony:
+        messages = [_with_thinking(m) for m in messages]
     if template_uses_tools(template_source):
         tools = [t.as_openai() for t in options.tools] if options.uses_tools else None
         return messages, tools, _moved(cache_spans, shifts, 0)
@@ -119,6 +123,18 @@ def _with_reasoning(message: dict[str, Any]) -> dict[str, Any]:
         return message
     rest = {k: v for k, v in message.items() if k != "reasoning_content"}
     return {**rest, "content": f"{THINK_START}\n{reasoning}\n{THINK_END}\n\n{message.get('content') or ''}"}
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    # Harmony templates (gpt-oss's) read an assistant turn's analysis from `thinking`; the API says
+    # `reasoning_content`. NOTE: gpt-oss's template refuses a tool-call turn with both content and thinking,
+    # so such a turn keeps its content only.
+    reasoning = message.get("reasoning_content")
+    if message.get("role") != "assistant" or not reasoning or "thinking" in message:
+        return message
+    if message.get("tool_calls") and message.get("content"):
+        return message
+    return {**message, "thinking": reasoning}
 
 
 def _plain_history(message: dict[str, Any], tool_format: ToolCallFormat) -> tuple[dict[str, Any], int]:
@@ -163,21 +179,26 @@ def grammar_spec(
     """The grammar the answer must follow (GrammarCompiler's spec), or None for free text.
 
     reasoning: "open" when the prompt ended inside <think> (the answer's grammar starts after </think>),
-    "optional" when the model may open a <think> block first, "none" otherwise."""
+    "optional" when the model may open a <think> block first, "none" otherwise. A harmony format has its own
+    (serving/harmony.py: the analysis message is its reasoning)."""
     answer = None
     response_format = options.response_format
+    schema = None
     if response_format.type != "text":
         schema = response_format.schema if response_format.type == "json_schema" else {"type": "object"}
         if response_format.strict:
             schema = strict_schema(schema)
+    if tool_format.is_harmony:
+        tools = _enforced_tools(options) if options.uses_tools else []
+        main = harmony.grammar_format(tools, options.tool_choice, schema)
+        return None if main is None else {"type": "structural_tag", "format": main}
+    if schema is not None:
         if not options.uses_tools and reasoning == "none":
             return {"type": "json_schema", "schema": schema, "strict": response_format.strict}
         answer = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
     main = answer
     if options.uses_tools:
-        tools = [
-            Tool(t.name, strict_schema(t.parameters) if t.strict else t.parameters) for t in options.tools
-        ]
+        tools = _enforced_tools(options)
         calls = tool_format.structural_tag(tools, options.tool_choice, options.parallel_tool_calls)
         if answer is not None and options.tool_choice.mode == "auto":
             forced = tool_format.structural_tag(tools, ToolChoice("required"), options.parallel_tool_calls)
@@ -193,3 +214,8 @@ def grammar_spec(
         think = {"type": "tag", "begin": THINK_START, "content": {"type": "any_text"}, "end": THINK_END}
         main = {"type": "sequence", "elements": [{"type": "optional", "content": think}, _GAP, main]}
     return {"type": "structural_tag", "format": main}
+
+
+def _enforced_tools(options: ChatOptions) -> list[Tool]:
+    """The offered tools with the schemas the grammar enforces (strict ones closed)."""
+    return [Tool(t.name, strict_schema(t.parameters) if t.strict else t.parameters) for t in options.tools]

@@ -25,6 +25,7 @@ from serval.serving.drain import CUT_OFF, Drain
 from serval.serving.errors import InvalidRequestError, from_engine, from_failure
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
+from serval.serving.harmony import STRUCTURE_TOKENS, budget_end, prompt_message
 from serval.serving.lora import LoraAdapters
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.loader import MediaLoader
@@ -67,9 +68,11 @@ class Frontend:
             if source is not None
             else None
         )
-        self.tool_format = format_for_template(source, tool_call_format)
-        # xgrammar is imported, and its worker processes started, on the first structured request.
-        self.grammars = GrammarCompiler(tokenizer, grammar_limits)
+        self.tool_format = format_for_template(source, tool_call_format, tokenizer.special_token_texts)
+        # xgrammar is imported, and its worker processes started, on the first structured request. A harmony
+        # answer keeps its structure tokens as text, so its grammars may write them.
+        text_tokens = frozenset(STRUCTURE_TOKENS) if self.tool_format.is_harmony else frozenset()
+        self.grammars = GrammarCompiler(tokenizer, grammar_limits, text_tokens)
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
         self.text_threads = TextThreads()
@@ -207,6 +210,8 @@ class Frontend:
         param = "tools" if options.uses_tools else "response_format"
         grammar = await self.grammars.compile(spec, param) if spec is not None else None
         budget = options.thinking_budget
+        is_harmony = self.tool_format.is_harmony
+        budget_end_text = budget_end(grammar is not None) if is_harmony else f"\n{THINK_END}\n\n"
         plan = OutputPlan(
             parses_reasoning=thinks,
             starts_in_reasoning=starts_in_reasoning,
@@ -214,7 +219,9 @@ class Frontend:
             tool_names=frozenset(t.name for t in options.tools),
             grammar=grammar,
             thinking_budget=budget,
-            think_end_token_ids=tuple(self.tokenizer.encode(f"\n{THINK_END}\n\n")) if budget else (),
+            think_end_token_ids=tuple(self.tokenizer.encode(budget_end_text)) if budget else (),
+            harmony_prefix=prompt_message(segments) if is_harmony else None,
+            is_json_answer=grammar is not None and options.response_format.type != "text",
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from serval.serving.harmony import HarmonyParser, HarmonyReasoningCounter
 from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkingBudget
-from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart
+from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, ToolEvent
 from serval.serving.tool_calls import ToolCallFormat
 
 if TYPE_CHECKING:
@@ -33,10 +34,24 @@ class OutputPlan:
     grammar: Grammar | None = None  # the compiled grammar every choice's tokens must follow
     thinking_budget: int | None = None  # reasoning tokens allowed before the end tag is forced
     think_end_token_ids: tuple[int, ...] = ()  # the tokens forced when the budget runs out
+    # The answer is harmony messages (gpt-oss; serving/harmony.py): the message the prompt ends in, which the
+    # output continues (harmony.prompt_message). None: not harmony.
+    harmony_prefix: str | None = None
+    # harmony: the final message is JSON the grammar makes (response_format), so a terminator's spelling in
+    # one of its strings is text
+    is_json_answer: bool = False
 
     @property
     def is_plain(self) -> bool:
-        return not (self.parses_reasoning or self.tool_format or self.grammar or self.thinking_budget)
+        return not (
+            self.parses_reasoning or self.tool_format or self.grammar or self.thinking_budget
+            or self.keeps_special_tokens
+        )  # fmt: skip
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The text is decoded with its special tokens: harmony's channel markers are its structure."""
+        return self.harmony_prefix is not None
 
     def new_constraint(self, token_bytes: Callable[[int], bytes], vocab_size: int) -> TokenConstraint | None:
         """A fresh constraint for one engine request (each choice has its own matcher state)."""
@@ -50,6 +65,7 @@ class OutputPlan:
             vocab_size,
             self.starts_in_reasoning,
             inner,
+            HarmonyReasoningCounter(self.harmony_prefix) if self.harmony_prefix is not None else None,
         )
 
 
@@ -73,19 +89,40 @@ def new_tool_call_id() -> str:
 
 
 class OutputParser:
-    """One choice's text -> reasoning, content and tool-call deltas; counts the reasoning tokens."""
+    """One choice's text -> reasoning, content and tool-call deltas; counts the reasoning tokens.
+
+    A harmony plan has one parser for all three (its channels); otherwise the <think> split comes first and
+    the tool-call parser reads the answer after it."""
 
     def __init__(self, plan: OutputPlan) -> None:
-        self.counter = ReasoningTokenCounter(plan.starts_in_reasoning) if plan.parses_reasoning else None
-        self.tools = plan.tool_format.parser(plan.tool_names) if plan.tool_format is not None else None
+        parses_tools = plan.tool_format is not None
+        self.harmony = (
+            HarmonyParser(parses_tools, plan.harmony_prefix, plan.is_json_answer)
+            if plan.harmony_prefix is not None
+            else None
+        )
+        is_split = self.harmony is None
+        parses_think = plan.parses_reasoning and is_split
+        self.counter = ReasoningTokenCounter(plan.starts_in_reasoning) if parses_think else None
+        self.tools = plan.tool_format.parser(plan.tool_names) if parses_tools and is_split else None
         self.num_tool_calls = 0
+        # harmony: the tokens fed while inside an analysis message's text (its <|message|> to its <|end|>)
+        self.num_harmony_reasoning_tokens = 0
 
     @property
     def num_reasoning_tokens(self) -> int:
+        if self.harmony is not None:
+            return self.num_harmony_reasoning_tokens
         return self.counter.num_reasoning_tokens if self.counter is not None else 0
 
     def feed(self, text: str, num_tokens: int) -> ParsedText:
         result = ParsedText()
+        if self.harmony is not None:
+            was_reasoning = self.harmony.is_reasoning
+            self._apply(self.harmony.feed(text), result)
+            if was_reasoning or self.harmony.is_reasoning:
+                self.num_harmony_reasoning_tokens += num_tokens
+            return result
         if self.counter is None:
             self._answer(text, result, final=False)
             return result
@@ -100,6 +137,9 @@ class OutputParser:
         """The rest of the text. is_cut: it ended before the model did (max_tokens), so an unfinished
         tool call at its end is dropped rather than shown as content (the parsers say what counts)."""
         result = ParsedText()
+        if self.harmony is not None:
+            self._apply(self.harmony.finish(is_cut), result)
+            return result
         for event in self.counter.finish() if self.counter is not None else []:
             if isinstance(event, ReasoningText):
                 result.reasoning += event.text
@@ -115,8 +155,13 @@ class OutputParser:
         events = self.tools.feed(text) if text else []
         if final:
             events += self.tools.finish(is_cut)
+        self._apply(events, result)
+
+    def _apply(self, events: list[ToolEvent | ReasoningText], result: ParsedText) -> None:
         for event in events:
-            if isinstance(event, ContentText):
+            if isinstance(event, ReasoningText):
+                result.reasoning += event.text
+            elif isinstance(event, ContentText):
                 result.content += event.text
             elif isinstance(event, ToolCallStart):
                 self.num_tool_calls += 1

@@ -151,13 +151,14 @@ class ThinkingBudget:
         vocab_size: int,
         starts_in_reasoning: bool,
         inner: TokenConstraint | None = None,
+        counter=None,  # what tells the reasoning (feed(text), is_reasoning, num_reasoning_tokens); <think>'s
     ) -> None:
         self.budget = budget
         self.end_token_ids = end_token_ids
         self.token_bytes = token_bytes
         self.vocab_size = vocab_size
         self.inner = inner
-        self.counter = ReasoningTokenCounter(starts_in_reasoning)
+        self.counter = counter if counter is not None else ReasoningTokenCounter(starts_in_reasoning)
         self.forced: list[int] = []  # end-tag tokens still to force
         self._bitmask: torch.Tensor | None = None
 

@@ -18,7 +18,8 @@ What must hold:
   construction" stays true; annotations (title, description, ...) and unknown keywords are ignored, as JSON
   Schema says.
 - Special tokens (other than the end-of-generation ones, which end a complete grammar) are never allowed
-  inside a grammar: the detokenizer would drop them and the text would no longer match.
+  inside a grammar: the detokenizer would drop them and the text would no longer match. The exception is a
+  format whose answer is decoded with its special tokens (harmony's `<|channel|>` ...: `text_tokens`).
 - NOTE: tokens holding a C0 control character other than tab, newline and carriage return are left out of
   every grammar's vocabulary: xgrammar's length-bounded JSON strings (maxLength) admit raw control
   characters, which JSON forbids. A raw tab inside such a string is the one gap left (tabs are JSON
@@ -189,9 +190,16 @@ class GrammarCompiler:
     """Compiles response formats and structural tags for one tokenizer: a spec not seen before is tried first
     in a GrammarPool worker (deadline, memory cap), then compiled here; xgrammar's cache keeps the results."""
 
-    def __init__(self, tokenizer: TokenVocabulary, limits: GrammarLimits | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenVocabulary,
+        limits: GrammarLimits | None = None,
+        text_tokens: frozenset[str] = frozenset(),
+    ) -> None:
+        """text_tokens: special tokens that grammars may write as text (the answer keeps them: harmony's)."""
         self.tokenizer = tokenizer
         self.limits = limits or GrammarLimits()
+        self.text_tokens = text_tokens
         self._compiler: Any = None  # built on first use: importing xgrammar and indexing the vocabulary
         self._gate: GrammarPool | None = None  # built with the compiler: its workers need the vocabulary
         self._build_lock = threading.Lock()
@@ -220,7 +228,7 @@ class GrammarCompiler:
                 from serval.serving.grammar_worker import GrammarVocabulary
 
                 vocabulary = GrammarVocabulary(
-                    _grammar_token_bytes(self.tokenizer),
+                    _grammar_token_bytes(self.tokenizer, self.text_tokens),
                     self.tokenizer.vocab_size,
                     sorted(set(self.tokenizer.eos_token_ids)),
                 )
@@ -307,19 +315,24 @@ class GrammarCompiler:
             self._gate.close()
 
 
-def _grammar_token_bytes(tokenizer: TokenVocabulary) -> list[bytes]:
+def _grammar_token_bytes(
+    tokenizer: TokenVocabulary, text_tokens: frozenset[str] = frozenset()
+) -> list[bytes]:
     """Each token's bytes as xgrammar sees them: b"" (never part of a grammar's text) for special and
-    end-of-generation tokens, holes in the vocabulary and tokens holding a C0 control character."""
+    end-of-generation tokens (but those named in text_tokens), holes in the vocabulary and tokens holding a
+    C0 control character."""
     stop_ids = set(tokenizer.eos_token_ids)
+    kept = {text.encode() for text in text_tokens}
     vocab = []
     for token_id in range(tokenizer.vocab_size):
-        if token_id in tokenizer.special_token_ids or token_id in stop_ids:
-            vocab.append(b"")  # xgrammar's mark of a special token
-            continue
         try:
             text = tokenizer.token_bytes(token_id)
         except ValueError:  # a hole in the vocabulary
             text = b""
+        is_special = token_id in tokenizer.special_token_ids and text not in kept
+        if is_special or token_id in stop_ids:
+            vocab.append(b"")  # xgrammar's mark of a special token
+            continue
         vocab.append(b"" if _CONTROL_BYTES.intersection(text) else text)
     return vocab
 

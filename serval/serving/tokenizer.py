@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from serval.model_source import ModelSource
+from serval.serving import harmony
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 3, 4, 6
@@ -109,7 +110,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self._added_ids = frozenset(added)
         self.bos_token_id = bos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = _harmony_end_of_generation(added, tuple(eos_token_ids))
         self.special_token_ids: frozenset[int] = frozenset(
             [i for i, token in added.items() if token.special]
             + [*_unique([bos_token_id]), *self.eos_token_ids]
@@ -251,6 +252,22 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+
+def _harmony_end_of_generation(
+    added: dict[int, AddedToken], eos_token_ids: tuple[int, ...]
+) -> tuple[int, ...]:
+    """A harmony vocabulary's (gpt-oss) end-of-generation ids: <|return|> (the answer is done) and <|call|> (a
+    tool call waits for its result) end it, <|end|> only ends a message. NOTE: llama.cpp drops <|end|> from
+    its end-of-generation set for such vocabularies too; a GGUF's eot id or the GGUF end texts may name it."""
+    special = {token.content: token_id for token_id, token in added.items() if token.special}
+    if not (
+        harmony.is_harmony_vocabulary(frozenset(special))
+        and all(t in special for t in harmony.END_OF_GENERATION)
+    ):
+        return eos_token_ids
+    kept = [token_id for token_id in eos_token_ids if token_id != special[harmony.END]]
+    return _unique([*kept, *(special[text] for text in harmony.END_OF_GENERATION)])
 
 
 # --- Hugging Face directory helpers ---------------------------------------------------------------------

@@ -36,23 +36,23 @@ class ToolCallArguments:
 ToolEvent = ContentText | ToolCallStart | ToolCallArguments
 
 
-def merge_events(events: list[ToolEvent]) -> list[ToolEvent]:
-    """Adjacent pieces of the same kind joined: the canonical form two parses are compared in."""
-    merged: list[ToolEvent] = []
+def merge_events(events: list) -> list:
+    """Adjacent pieces of the same kind joined (text events of one type: content, harmony's reasoning; one
+    call's arguments), empty texts dropped: the canonical form two parses are compared in."""
+    merged: list = []
     for event in events:
         last = merged[-1] if merged else None
-        if isinstance(event, ContentText) and isinstance(last, ContentText):
-            last.text += event.text
-        elif isinstance(event, ToolCallArguments) and isinstance(last, ToolCallArguments):
-            if last.index == event.index:
+        if isinstance(event, ToolCallArguments):
+            if isinstance(last, ToolCallArguments) and last.index == event.index:
                 last.text += event.text
-                continue
-            merged.append(ToolCallArguments(event.index, event.text))
-        elif isinstance(event, ContentText):
-            if event.text:
-                merged.append(ContentText(event.text))
-        else:
-            merged.append(type(event)(**vars(event)))
+            else:
+                merged.append(ToolCallArguments(event.index, event.text))
+        elif isinstance(event, ToolCallStart):
+            merged.append(ToolCallStart(event.index, event.name))
+        elif type(last) is type(event):
+            last.text += event.text
+        elif event.text:
+            merged.append(type(event)(event.text))
     return merged
 
 

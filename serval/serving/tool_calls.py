@@ -1,6 +1,7 @@
 """Tool calls: the tool-call text formats models are trained on, as grammars and as incremental parsers.
 
-Owns a small registry of formats (`FORMATS`, chosen per model by `format_for_template`, default Hermes). A
+Owns a small registry of formats (`FORMATS`, chosen per model by `format_for_template`: from the chat template,
+else from the vocabulary, default Hermes). A
 format knows three things: the grammar (an xgrammar structural tag) that makes the model write well-formed
 calls whose arguments validate against each tool's JSON Schema; the incremental parser that turns the text
 back into calls; and the system prompt that shows the tools to a model whose chat template ignores `tools`.
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from serval.serving import harmony
+from serval.serving.harmony import HarmonyParser
 from serval.serving.structured import MAX_WHITESPACE
 from serval.serving.tool_call_parsers import JsonCallParser, NameLineCallParser
 
@@ -68,8 +71,13 @@ class ToolCallFormat:
     # NOTE: ChatGLM3 writes its arguments as a ```python block of `tool_call(key=value)`; the parser reads
     # that, but the grammar (call_begin/call_end) makes the GLM-4 JSON form: a schema is checkable as JSON.
     accepts_python_call: bool = False
+    # gpt-oss's harmony messages (serving/harmony.py): the whole output is channels, so its parser also splits
+    # out the reasoning, and its grammars are harmony's own.
+    is_harmony: bool = False
 
-    def parser(self, tool_names: frozenset[str]) -> JsonCallParser | NameLineCallParser:
+    def parser(self, tool_names: frozenset[str]) -> JsonCallParser | NameLineCallParser | HarmonyParser:
+        if self.is_harmony:
+            return HarmonyParser(parses_tool_calls=True)
         if self.is_single_call:
             return NameLineCallParser(tool_names, self.accepts_python_call)
         return JsonCallParser(self.trigger, self.call_end.replace("}", "", 1).strip(), self.lead)
@@ -79,6 +87,8 @@ class ToolCallFormat:
 
         A named choice is exactly one call of that function; "required" is one or more calls (exactly one
         without `parallel`), and after each call the model may end. "auto" is free text around calls."""
+        if self.is_harmony:
+            return harmony.grammar_format(tools, choice, None) or {"type": "any_text"}
         offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
         parallel = parallel and not self.is_single_call and choice.mode != "function"
         tags = [
@@ -130,6 +140,10 @@ _LLAMA3_PROMPT = (
     'object of the form {"name": <function-name>, "parameters": <args-json-object>}. Separate several '
     "calls with '; '."
 )
+_HARMONY_PROMPT = (
+    "You may call these functions:\n{tools}\n\nTo call one, write <|channel|>commentary to=functions.NAME "
+    "<|constrain|>json<|message|> and then its arguments as a JSON object."
+)
 _GLM_PROMPT = (
     "You have access to the following tools:\n{tools}\n\nTo call a tool, reply with its name on the first "
     "line and its arguments as a JSON object on the next."
@@ -153,12 +167,20 @@ FORMATS: MappingProxyType[str, ToolCallFormat] = MappingProxyType({
     "glm": ToolCallFormat(
         "glm", "", "\n", "{name}\n", "", _GLM_PROMPT, ("<|observation|>",), is_single_call=True
     ),
+    # gpt-oss. NOTE: one call at most: <|call|> ends the generation (the model waits for the result).
+    "harmony": ToolCallFormat(
+        "harmony", f"{harmony.CHANNEL}commentary to=", "", harmony.call_begin("{name}"), harmony.CALL,
+        _HARMONY_PROMPT, (harmony.CHANNEL,), is_single_call=True, is_harmony=True,
+    ),
 })  # fmt: skip
 DEFAULT_FORMAT = "hermes"
 
 
-def format_for_template(template_source: str | None, name: str | None = None) -> ToolCallFormat:
-    """The format named, else the one whose markers the chat template contains, else Hermes."""
+def format_for_template(
+    template_source: str | None, name: str | None = None, special_token_texts: frozenset[str] = frozenset()
+) -> ToolCallFormat:
+    """The format named, else the one whose markers the chat template contains, else harmony for a harmony
+    vocabulary (special_token_texts: the tokenizer's), else Hermes."""
     if name is not None:
         if name not in FORMATS:
             raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(sorted(FORMATS))}")
@@ -166,4 +188,6 @@ def format_for_template(template_source: str | None, name: str | None = None) ->
     for candidate in FORMATS.values():
         if template_source and any(marker in template_source for marker in candidate.markers):
             return candidate
+    if harmony.is_harmony_vocabulary(special_token_texts):
+        return FORMATS["harmony"]
     return FORMATS[DEFAULT_FORMAT]

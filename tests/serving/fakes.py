@@ -50,10 +50,12 @@ class ByteTokenizer:
 class FakeEngine:
     """An EngineClient double: each request 'generates' the bytes of a scripted text, one token per step,
     then EOS; seeds pick the text, so n choices differ. Records aborted requests, and which LoRA adapter each
-    request asked for; `load_lora` takes any existing directory as an adapter."""
+    request asked for; `load_lora` takes any existing directory as an adapter. encode: text -> the ids to
+    generate (a real tokenizer's, so special tokens are generated as such); default one per UTF-8 byte."""
 
-    def __init__(self, texts: list[str], max_model_len: int = 256, delay: float = 0.0) -> None:
+    def __init__(self, texts: list[str], max_model_len: int = 256, delay: float = 0.0, encode=None) -> None:
         self.texts = texts
+        self.encode = encode or (lambda text: list(text.encode()))
         self.max_model_len = max_model_len
         self.delay = delay
         self.aborted: list[str] = []
@@ -158,8 +160,9 @@ class FakeStream:
         request, engine = self.request, self.engine
         params, eos_token_ids = request.params, request.eos_token_ids
         text = engine.texts[(params.seed or 0) % len(engine.texts)]
-        ids = list(text.encode())[: params.max_tokens] if params.max_tokens else list(text.encode())
-        stops = not params.max_tokens or len(text.encode()) < params.max_tokens
+        all_ids = engine.encode(text)
+        ids = all_ids[: params.max_tokens] if params.max_tokens else list(all_ids)
+        stops = not params.max_tokens or len(all_ids) < params.max_tokens
         if stops:
             ids.append(eos_token_ids[0])
         metrics = RequestMetrics(arrival_time=0.0)
