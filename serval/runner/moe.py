@@ -117,7 +117,14 @@ class SparseMoe(nn.Module):
         if self.native_kernel is not None:
             e = self.experts
             out = self.native_kernel(
-                x, ids, weights, *self.native_parts, e.num_experts, e.inter, e.hidden, self.int8_batch_activations
+                x,
+                ids,
+                weights,
+                *self.native_parts,
+                e.num_experts,
+                e.inter,
+                e.hidden,
+                self.int8_batch_activations,
             )
         else:
             out = self.experts_reference(x, ids, weights)

@@ -150,7 +150,9 @@ def test_unknown_architecture_names_it(tmp_path) -> None:
     writer.close()
 
     for read in (read_gguf_config, lambda p: next(iter_gguf_weights(p))):
-        with pytest.raises(UnsupportedArchitectureError, match="'mamba'.*llama, qwen2, qwen3"):
+        with pytest.raises(
+            UnsupportedArchitectureError, match="'mamba'.*llama, qwen2, qwen2moe, qwen3, qwen3moe"
+        ):
             read(str(path))
 
 

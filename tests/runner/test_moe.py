@@ -68,10 +68,18 @@ def test_gguf_matches_transformers(tiny_model_factory, tmp_path, architecture):
 
 
 @pytest.mark.parametrize(
-    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0]
+    "qtype",
+    [
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q8_0,
+    ],
 )
 @pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
-def test_packed_experts_run_natively_and_agree_with_the_dense_path(tiny_model_factory, tmp_path, architecture, qtype):
+def test_packed_experts_run_natively_and_agree_with_the_dense_path(
+    tiny_model_factory, tmp_path, architecture, qtype
+):
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
     _, reference = tiny_model_factory(architecture, False)
@@ -84,7 +92,9 @@ def test_packed_experts_run_natively_and_agree_with_the_dense_path(tiny_model_fa
     if packed.runner.kernel_variant == "none":
         pytest.skip("no native kernels on this machine")
     sparse = _sparse_layers(packed)
-    assert sparse and all(m.native_kernel is not None for m in sparse), "the experts run in kernels.moe_experts"
+    assert sparse and all(m.native_kernel is not None for m in sparse), (
+        "the experts run in kernels.moe_experts"
+    )
     # The stacks were packed from the file's blocks, never dense: their dense weights are placeholders.
     assert all(m.experts.gate_proj.weight.stride() == (0, 0) for m in sparse)
     for prompt in PROMPTS:
@@ -103,7 +113,9 @@ def test_native_experts_equal_the_pytorch_path_on_the_same_packed_weights(tiny_m
 
     _, reference = tiny_model_factory("qwen3_moe", False)
     path = str(tmp_path / "q8.gguf")
-    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0)
+    write_gguf_from_state_dict(
+        path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0
+    )
     engine = _packed_engine(path)
     if engine.runner.kernel_variant == "none":
         pytest.skip("no native kernels on this machine")
@@ -125,7 +137,9 @@ def test_batched_equals_alone(tiny_model_factory, tmp_path):
 
     _, reference = tiny_model_factory("qwen3_moe", False)
     path = str(tmp_path / "f32.gguf")
-    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0)
+    write_gguf_from_state_dict(
+        path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0
+    )
     together = _greedy(_packed_engine(path), PROMPTS, max_tokens=10)
     alone = [_greedy(_packed_engine(path), [prompt], max_tokens=10)[0] for prompt in PROMPTS]
     assert together == alone

@@ -132,7 +132,9 @@ def _moe_config(reader: GGUFFile, arch: str, num_layers: int, tensor_names: set[
         "norm_topk_prob": bool(
             metadata_value(reader, f"{arch}.expert_weights_norm", _RENORMALIZES_BY_DEFAULT.get(arch, True))
         ),
-        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+        "mlp_only_layers": [
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        ],
     }
     if config["num_experts_per_tok"] is None:
         raise ValueError(f"GGUF metadata has {arch}.expert_count but no {arch}.expert_used_count")
@@ -377,7 +379,9 @@ def iter_gguf_weights(
                     weight = weight.reshape(1, -1)
             if packable and tensor.tensor_type in _SIXTEEN_BIT_TYPES:
                 values = _sixteen_bit_from_file(data, tensor.tensor_type, matrix_shape)
-                packed_forms[name] = sixteen_bit_form(values if heads is None else unpermute_rows(values, heads))
+                packed_forms[name] = sixteen_bit_form(
+                    values if heads is None else unpermute_rows(values, heads)
+                )
             elif packable:
                 packed_forms[name] = packed_from_blocks(
                     data, tensor.tensor_type, matrix_shape, heads, repack, name

@@ -153,7 +153,10 @@ class MoeArch:
             cfg.get("norm_topk_prob", family.renormalize_default)
         )
         # Released Qwen-MoE configs say num_experts; transformers 5 writes num_local_experts for every family.
-        top_k, num_experts = int(cfg["num_experts_per_tok"]), int(cfg.get("num_experts") or cfg["num_local_experts"])
+        top_k, num_experts = (
+            int(cfg["num_experts_per_tok"]),
+            int(cfg.get("num_experts") or cfg["num_local_experts"]),
+        )
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
         return cls(
