@@ -3,7 +3,8 @@
 Each projection of all the layer's experts is one stacked matrix, a `Linear` of num_experts x its rows
 (expert e's gate rows are e*I .. (e+1)*I - 1), so the loader packs it like any matrix: a GGUF file's 3-D
 `ffn_*_exps` tensor is exactly that matrix's blocks, packed at the file's size with no dense copy, and a
-checkpoint's per-expert tensors are its row shards. With the native kernels the experts run in one call
+checkpoint's per-expert tensors are its row shards (gpt-oss: with biases, the clamped SwiGLU). With the
+native kernels the experts run in one call
 (kernels/moe.cpp: tokens grouped by expert, every (expert, block of rows) in parallel); the PyTorch path
 below is the reference it is tested against, and serves dense checkpoints.
 """
@@ -23,7 +24,7 @@ from serval.runner.quantization import PackedWeight
 # The per-expert checkpoint names of one projection, Qwen-MoE's (`mlp.experts.E.gate_proj`) and Mixtral's
 # (`block_sparse_moe.experts.E.w1`: w1 gate, w3 up, w2 down) -> our stacked matrix.
 _EXPERT_TENSOR = re.compile(
-    r"(?P<layer>layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<part>\w+)\.weight"
+    r"(?P<layer>layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)"
 )
 _EXPERT_PARTS = {
     "gate_proj": "gate_proj",
@@ -33,8 +34,12 @@ _EXPERT_PARTS = {
     "w3": "up_proj",
     "w2": "down_proj",
 }
-# transformers 5's in-memory layout (what a state dict holds): all experts in 3-D tensors, gate and up fused.
-_FUSED_EXPERTS = re.compile(r"(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<part>gate_up_proj|down_proj)")
+# transformers 5's in-memory layout (what a state dict holds): all experts in 3-D tensors, gate and up fused;
+# gpt-oss's checkpoints hold them so too, transposed ((E, in, out)), gate and up interleaved, with biases.
+_FUSED_EXPERTS = re.compile(
+    r"(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<part>gate_up_proj|down_proj)(?P<bias>_bias)?$"
+)
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # kernels.moe_experts' activation codes
 
 
 class ExpertStacks(nn.Module):
@@ -44,9 +49,23 @@ class ExpertStacks(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeArch):
         super().__init__()
         self.num_experts, self.inter, self.hidden = moe.num_experts, moe.expert_intermediate_size, hidden_size
-        self.gate_proj = Linear(hidden_size, self.num_experts * self.inter, bias=False)
-        self.up_proj = Linear(hidden_size, self.num_experts * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, self.num_experts * hidden_size, bias=False)
+        bias = moe.has_biases
+        self.gate_proj = Linear(hidden_size, self.num_experts * self.inter, bias=bias)
+        self.up_proj = Linear(hidden_size, self.num_experts * self.inter, bias=bias)
+        self.down_proj = Linear(self.inter, self.num_experts * hidden_size, bias=bias)
+
+    def biases(self) -> list[torch.Tensor]:
+        """The three stacks' fp32 biases for kernels.moe_experts (empty tensors without)."""
+        return [
+            torch.empty(0) if p.bias is None else p.bias.detach().float().contiguous()
+            for p in (self.gate_proj, self.up_proj, self.down_proj)
+        ]
+
+    def expert_bias(self, projection: Linear, expert: int) -> torch.Tensor | float:
+        rows = projection.out_features // self.num_experts
+        return (
+            0.0 if projection.bias is None else projection.bias[expert * rows : (expert + 1) * rows].float()
+        )
 
     def expert_weight(self, projection: Linear, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's (rows, K) matrix of a stacked projection: a view of the dense weight, or its rows
@@ -73,7 +92,8 @@ class SparseMoe(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeArch):
         super().__init__()
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.activation, self.alpha, self.limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
+        self.gate = Linear(hidden_size, moe.num_experts, bias=moe.has_biases)  # the router
         self.experts = ExpertStacks(hidden_size, moe)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
@@ -82,6 +102,7 @@ class SparseMoe(nn.Module):
         # kernels.moe_experts and its packed stacks, set by use_kernels; None: the PyTorch path
         self.native_kernel = None
         self.native_parts: list[list[torch.Tensor]] | None = None
+        self.native_biases: list[torch.Tensor] = []
         self.int8_batch_activations = False
         # kernels.router_logits and the router's fp32 weight (1 MB for 128 experts of 2048), set by use_kernels
         self.router_kernel = None
@@ -91,6 +112,7 @@ class SparseMoe(nn.Module):
         parts = self.experts.packed_parts()
         self.native_kernel = None if parts is None else kernels.moe_experts
         self.native_parts = parts
+        self.native_biases = self.experts.biases()
         self.int8_batch_activations = int8_batch_activations
         router = self.gate
         if router.packed is None:  # a quantized router keeps its packed kernel (rare: files keep it F32)
@@ -103,6 +125,8 @@ class SparseMoe(nn.Module):
         are the same bits whatever the batch, so the choice is too."""
         if self.router_kernel is not None:
             logits = self.router_kernel(x, self.router_weight)
+            if self.gate.bias is not None:
+                logits = logits + self.gate.bias.float()
         else:
             logits = self.gate(x).float()
         probs = torch.softmax(logits, dim=-1)  # (num_tokens, num_experts)
@@ -117,15 +141,9 @@ class SparseMoe(nn.Module):
         if self.native_kernel is not None:
             e = self.experts
             out = self.native_kernel(
-                x,
-                ids,
-                weights,
-                *self.native_parts,
-                e.num_experts,
-                e.inter,
-                e.hidden,
-                self.int8_batch_activations,
-            )
+                x, ids, weights, *self.native_parts, *self.native_biases, e.num_experts, e.inter, e.hidden,
+                ACTIVATIONS[self.activation], self.alpha, self.limit, self.int8_batch_activations,
+            )  # fmt: skip
         else:
             out = self.experts_reference(x, ids, weights)
         if self.shared_expert is not None:
@@ -150,9 +168,20 @@ class SparseMoe(nn.Module):
             xe = x[tokens]
             gate = xe @ stacks.expert_weight(stacks.gate_proj, expert, x.dtype).t()
             up = xe @ stacks.expert_weight(stacks.up_proj, expert, x.dtype).t()
-            y = (F.silu(gate) * up) @ stacks.expert_weight(stacks.down_proj, expert, x.dtype).t()
-            out.index_add_(0, tokens, y.float() * weights.flatten()[slots, None])
+            gate = gate.float() + stacks.expert_bias(stacks.gate_proj, expert)
+            up = up.float() + stacks.expert_bias(stacks.up_proj, expert)
+            h = self.activate(gate, up).to(x.dtype)
+            y = h @ stacks.expert_weight(stacks.down_proj, expert, x.dtype).t()
+            y = y.float() + stacks.expert_bias(stacks.down_proj, expert)
+            out.index_add_(0, tokens, y * weights.flatten()[slots, None])
         return out
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(self.alpha * gate) * (up + 1)
 
 
 def expert_weight_target(name: str, num_experts: int) -> tuple[str, int | None] | None:
@@ -163,29 +192,39 @@ def expert_weight_target(name: str, num_experts: int) -> tuple[str, int | None] 
         expert = int(match["expert"])
         if expert >= num_experts:
             raise ValueError(f"weight {name!r} names expert {expert} of a model with {num_experts}")
-        return f"{match['layer']}.mlp.experts.{_EXPERT_PARTS[match['part']]}.weight", expert
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+        return f"{match['layer']}.mlp.experts.{_EXPERT_PARTS[match['part']]}.{match['kind']}", expert
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
     for hf, ours in (("shared_expert.gate_proj.", 0), ("shared_expert.up_proj.", 1)):
         if f".mlp.{hf}" in name:
             return name.replace(hf, "shared_expert.gate_up_proj."), ours
-    if name.endswith(".mlp.gate.weight") or ".mlp.shared_expert" in name:
+    if name.endswith((".mlp.gate.weight", ".mlp.gate.bias")) or ".mlp.shared_expert" in name:
         return name, None
     return None
 
 
-def split_fused_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+def split_fused_experts(
+    name: str, tensor: torch.Tensor, transposed_interleaved: bool = False
+) -> list[tuple[str, torch.Tensor]] | None:
     """transformers 5's 3-D expert tensors (a state dict's `mlp.experts.gate_up_proj` (E, 2I, H) and
-    `down_proj` (E, H, I)) as the per-expert tensors a saved checkpoint holds; None for any other tensor."""
+    `down_proj` (E, H, I)) as the per-expert tensors a saved checkpoint holds; None for any other tensor.
+    transposed_interleaved: gpt-oss's layout, gate_up_proj (E, H, 2I) with gate and up in alternate
+    columns, down_proj (E, I, H), and their biases (E, 2I) and (E, H)."""
     match = _FUSED_EXPERTS.search(name)
-    if match is None or tensor.dim() != 3:
+    if match is None or tensor.dim() != (2 if match["bias"] else 3):
         return None
     prefix = name[: match.start()] + match["layer"] + ".mlp.experts"
+    kind = "bias" if match["bias"] else "weight"
+    if transposed_interleaved and not match["bias"]:
+        tensor = tensor.transpose(1, 2)  # (E, out, in), as the other families store them
     if match["part"] == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", t) for e, t in enumerate(tensor)]
-    inter = tensor.shape[1] // 2
+        return [(f"{prefix}.{e}.down_proj.{kind}", t) for e, t in enumerate(tensor)]
+    if transposed_interleaved:
+        gates, ups = tensor[:, 0::2], tensor[:, 1::2]
+    else:
+        gates, ups = tensor.split(tensor.shape[1] // 2, dim=1)
     split = []
-    for e, t in enumerate(tensor):
-        split += [(f"{prefix}.{e}.gate_proj.weight", t[:inter]), (f"{prefix}.{e}.up_proj.weight", t[inter:])]
+    for e in range(tensor.shape[0]):
+        split += [(f"{prefix}.{e}.gate_proj.{kind}", gates[e]), (f"{prefix}.{e}.up_proj.{kind}", ups[e])]
     return split
 
 

@@ -173,3 +173,96 @@ def test_routing_ties_go_to_the_lower_expert_whatever_the_batch(tmp_path):
     for row in range(x.shape[0]):  # alone, each row routes as it did in the batch
         alone_ids, alone_weights = ours.route(x[row : row + 1])
         assert torch.equal(alone_ids[0], ids[row]) and torch.equal(alone_weights[0], weights[row])
+
+
+def _gpt_oss_mlp(seed: int = 0):
+    """transformers' gpt-oss MoE block (router with bias, 8 experts with biases, top-2) and its config dict."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+    )  # fmt: skip
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(seed)
+    block = GptOssMLP(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.3 if param.dim() < 3 else 0.15)  # wide enough that the clamps engage
+    return block, config.to_dict()
+
+
+def _load_block(ours: SparseMoe, block) -> None:
+    # The loader's own name mapping: gpt-oss's fused, transposed, interleaved experts into per-expert shards.
+    from serval.runner.moe import expert_shards, expert_weight_target, split_fused_experts
+
+    moe = ours.experts
+    for name, tensor in block.state_dict().items():
+        full = f"layers.0.mlp.{name}"
+        for part, value in split_fused_experts(full, tensor, transposed_interleaved=True) or [(full, tensor)]:
+            target, shard = expert_weight_target(part, moe.num_experts)
+            param = ours.get_parameter(target.removeprefix("layers.0.mlp."))
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(value)
+                else:
+                    _, rows = expert_shards(
+                        target.replace(".bias", ".weight"), moe.hidden, _moe_arch_of(ours)
+                    )
+                    param[shard * rows : (shard + 1) * rows] = value
+
+
+def _moe_arch_of(ours: SparseMoe):
+    from serval.runner.models.arch import MoeArch
+
+    e = ours.experts
+    return MoeArch(e.num_experts, ours.top_k, e.inter, True, frozenset())
+
+
+def test_gpt_oss_experts_match_transformers():
+    # Router bias, top-k of the logits then a softmax over them, expert biases, the clamped SwiGLU (alpha
+    # 1.702, limit 7, up + 1), gate and up interleaved in the checkpoint.
+    from serval.runner.models.arch import MoeArch
+
+    block, config = _gpt_oss_mlp()
+    arch = MoeArch.from_hf_config("GptOssForCausalLM", config)
+    assert arch.has_biases and arch.activation == "clamped_swiglu" and arch.renormalize
+    ours = SparseMoe(64, arch)
+    _load_block(ours, block)
+    torch.manual_seed(1)
+    x = torch.randn(24, 64) * 3
+    with torch.no_grad():
+        theirs, _ = block(x[None])
+        gate_up = x @ block.experts.gate_up_proj[0] + block.experts.gate_up_proj_bias[0]
+    assert (gate_up[:, 0::2] > 7).any() and (gate_up[:, 1::2].abs() > 7).any(), "the clamps are exercised"
+    assert (ours(x) - theirs[0]).abs().max().item() < 1e-4
+
+
+def test_gpt_oss_experts_natively_over_packed_stacks():
+    from serval.runner.kernels import load_cpu_kernels
+    from serval.runner.models.arch import MoeArch
+    from serval.runner.quantization import pack_block_codes
+    from tests.fixtures.quants import quantize
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native kernels on this machine")
+    from serval.runner.loader.dequant import block_codes
+
+    block, config = _gpt_oss_mlp()
+    ours = SparseMoe(64, MoeArch.from_hf_config("GptOssForCausalLM", config))
+    _load_block(ours, block)
+    for stack in (ours.experts.gate_proj, ours.experts.up_proj, ours.experts.down_proj):
+        raw = quantize(stack.weight.detach().numpy(), GGMLQuantizationType.Q8_0)
+        stack.packed = pack_block_codes(
+            block_codes(raw, GGMLQuantizationType.Q8_0, tuple(stack.weight.shape))
+        )
+    torch.manual_seed(2)
+    x = torch.randn(9, 64) * 3
+    ids, weights = ours.route(x)
+    exact = ours.experts_reference(x, ids, weights)  # the packed stacks' exact weights, in PyTorch
+    ours.use_kernels(kernels, int8_batch_activations=False)
+    assert ours.native_kernel is not None
+    native = ours(x)
+    assert (native - exact).abs().max().item() < 1e-3 * exact.abs().max().item()

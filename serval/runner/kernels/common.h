@@ -110,8 +110,9 @@ int64_t int8_rows_from();
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 // A sparse MoE layer's routed experts over packed stacked expert matrices (moe.cpp); (tokens, hidden) fp32.
 at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
-                       std::vector<at::Tensor> up, std::vector<at::Tensor> down, int64_t num_experts, int64_t inter,
-                       int64_t hidden, bool int8_batch_activations);
+                       std::vector<at::Tensor> up, std::vector<at::Tensor> down, at::Tensor gate_bias,
+                       at::Tensor up_bias, at::Tensor down_bias, int64_t num_experts, int64_t inter, int64_t hidden,
+                       int64_t activation, double alpha, double limit, bool int8_batch_activations);
 // A MoE router's logits, one fixed-order dot product per (token, expert) (moe.cpp).
 at::Tensor router_logits(at::Tensor x, at::Tensor w);
 // A GGUF block-quantized matrix's bytes in the packed layout (gguf_repack.cpp): [codes, scales, offsets, super].

@@ -80,14 +80,36 @@ int64_t item_span(int64_t groups_per_expert, int64_t num_used_experts) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+// The expert MLP's activation of one intermediate column (runner/moe.py ACTIVATIONS): 0 silu(g) u; 1 gpt-oss's
+// clamped SwiGLU, g = min(g, limit), u = clamp(u, -limit, limit), g sigmoid(alpha g) (u + 1).
+struct Activation {
+  int64_t kind;
+  float alpha, limit;
+  float operator()(float g, float u) const {
+    if (kind == 0) return silu(g) * u;
+    g = std::min(g, limit);
+    u = std::clamp(u, -limit, limit);
+    return g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+  }
+};
+
+// A stack's bias (num_experts * rows fp32), or null without one.
+const float* bias_of(const at::Tensor& bias, int64_t rows, const char* name) {
+  if (!present(bias)) return nullptr;
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == rows, name,
+              " bias: contiguous fp32, one per stacked row");
+  return bias.data_ptr<float>();
+}
+
 }  // namespace
 
 // x: (T, hidden) fp32 or bf16; expert_ids (T, k) int64 and expert_weights (T, k) fp32 from the router. The
 // stacks: gate and up (num_experts * inter rows, hidden), down (num_experts * hidden rows, inter), each as
-// [codes, scales, offsets, super_scales]. Returns (T, hidden) fp32.
+// [codes, scales, offsets, super_scales], and their fp32 biases (empty: none). Returns (T, hidden) fp32.
 at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
-                       std::vector<at::Tensor> up, std::vector<at::Tensor> down, int64_t num_experts, int64_t inter,
-                       int64_t hidden, bool int8_batch_activations) {
+                       std::vector<at::Tensor> up, std::vector<at::Tensor> down, at::Tensor gate_bias,
+                       at::Tensor up_bias, at::Tensor down_bias, int64_t num_experts, int64_t inter, int64_t hidden,
+                       int64_t activation, double alpha, double limit, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x: (tokens, hidden)");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong,
               "expert_ids: (tokens, k) int64");
@@ -97,6 +119,11 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_we
   const Stack gate_stack = make_stack(gate, hidden, inter, num_experts, "gate");
   const Stack up_stack = make_stack(up, hidden, inter, num_experts, "up");
   const Stack down_stack = make_stack(down, inter, hidden, num_experts, "down");
+  const float* gate_b = bias_of(gate_bias, num_experts * inter, "gate");
+  const float* up_b = bias_of(up_bias, num_experts * inter, "up");
+  const float* down_b = bias_of(down_bias, num_experts * hidden, "down");
+  TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 silu, 1 clamped SwiGLU");
+  const Activation act_fn{activation, static_cast<float>(alpha), static_cast<float>(limit)};
   const int64_t T = x.size(0), k = expert_ids.size(1), num_slots = T * k;
   auto out = at::empty({T, hidden}, x.options().dtype(at::kFloat));
   std::fill_n(out.data_ptr<float>(), T * hidden, 0.0f);
@@ -139,9 +166,14 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_we
                          int8_batch_activations);
       matmul_packed_rows(xe, rows, up_stack.groups(item.expert, item.first), up_stack.layout, item.count, u.data(), cols,
                          int8_batch_activations);
+      const int64_t col0 = item.expert * inter + item.first * kGroup;  // in the stacks' rows (the biases)
       for (int64_t r = 0; r < rows; ++r) {
         float* a = &act[(row0 + r) * inter + item.first * kGroup];
-        for (int64_t c = 0; c < cols; ++c) a[c] = silu(g[r * cols + c]) * u[r * cols + c];
+        for (int64_t c = 0; c < cols; ++c) {
+          const float gv = g[r * cols + c] + (gate_b ? gate_b[col0 + c] : 0.0f);
+          const float uv = u[r * cols + c] + (up_b ? up_b[col0 + c] : 0.0f);
+          a[c] = act_fn(gv, uv);
+        }
       }
     }
   }, Schedule::kDynamic);
@@ -152,8 +184,14 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_we
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = down_items[i];
       const int64_t rows = counts[item.expert], row0 = starts[item.expert];
+      float* y = &ys[row0 * hidden + item.first * kGroup];
       matmul_packed_rows(&act[row0 * inter], rows, down_stack.groups(item.expert, item.first), down_stack.layout,
-                         item.count, &ys[row0 * hidden + item.first * kGroup], hidden, int8_batch_activations);
+                         item.count, y, hidden, int8_batch_activations);
+      if (down_b != nullptr) {
+        const float* b = down_b + item.expert * hidden + item.first * kGroup;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < item.count * kGroup; ++c) y[r * hidden + c] += b[c];
+      }
     }
   }, Schedule::kDynamic);
 

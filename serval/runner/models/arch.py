@@ -114,12 +114,25 @@ class MoeFamily:
     expert_width_key: str  # the width of one routed expert's MLP
     renormalize_default: bool | None  # norm_topk_prob's default; None: the family always renormalizes
     has_shared_expert: bool  # Qwen2-MoE: a dense expert beside the routed ones, behind a sigmoid gate
+    has_biases: bool = False  # gpt-oss: the router and every expert projection have biases
+    activation: str = "silu"  # MoeArch.activation
+    # gpt-oss's checkpoints: gate_up_proj (E, hidden, 2I) with gate and up in alternate columns
+    interleaved_gate_up: bool = False
 
 
 _MOE_FAMILIES = {
     "Qwen3MoeForCausalLM": MoeFamily("moe_intermediate_size", False, False),
     "Qwen2MoeForCausalLM": MoeFamily("moe_intermediate_size", False, True),
     "MixtralForCausalLM": MoeFamily("intermediate_size", None, False),
+    # top-k of the logits, then a softmax over those k: the same as renormalizing
+    "GptOssForCausalLM": MoeFamily(
+        "intermediate_size",
+        None,
+        False,
+        has_biases=True,
+        activation="clamped_swiglu",
+        interleaved_gate_up=True,
+    ),
 }
 
 
@@ -136,6 +149,13 @@ class MoeArch:
     renormalize: bool
     dense_layers: frozenset[int]  # layers whose MLP is dense (intermediate_size wide), not sparse
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    has_biases: bool = False  # the router and the experts' gate, up and down projections add biases
+    # "silu": silu(gate) * up; "clamped_swiglu" (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit),
+    # g * sigmoid(alpha g) * (u + 1)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    interleaved_gate_up: bool = False  # how the HF checkpoint lays out its fused experts (MoeFamily)
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -168,6 +188,11 @@ class MoeArch:
             shared_expert_intermediate_size=(
                 int(cfg.get("shared_expert_intermediate_size") or 0) if family.has_shared_expert else 0
             ),
+            has_biases=family.has_biases,
+            activation=family.activation,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            interleaved_gate_up=family.interleaved_gate_up,
         )
 
 

@@ -350,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
         # A state dict of transformers 5 holds each layer's experts in 3-D tensors; checkpoints hold one
         # tensor per expert and projection, which is what the stacked matrices are fused from.
         for name, tensor in weights:
-            split = split_fused_experts(name, tensor) if self.arch.moe is not None else None
+            moe = self.arch.moe
+            split = None if moe is None else split_fused_experts(name, tensor, moe.interleaved_gate_up)
             yield from [(name, tensor)] if split is None else split
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
