@@ -1,9 +1,10 @@
 """Exact low-bit forms of weight matrices, packed for the native quantized matmul (kernels/quantized_linear.cpp).
 
-Every GGUF block format serval packs (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a code q per weight
-and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w = d q + m (with no offset, a
-4-, 5- or 6-bit code is biased: w = d (q - 8), d (q - 16), d (q - 32)). Codes keep their file's width: 4, 5,
-6 or 8 bits, so a packed matrix takes what it takes in its file. The loader reads
+Every GGUF block format serval packs (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) is a code q per
+weight and, per row and block of 16 or 32 weights, a scale d and maybe an offset m: w = d q + m (with no offset,
+a 4-, 5- or 6-bit code is biased: w = d (q - 8), d (q - 16), d (q - 32); MXFP4's 4-bit code indexes a table of
+E2M1 values, w = MXFP4_VALUES[q] 2^(e - 128) for the block's exponent byte e). Codes keep their file's width:
+4, 5, 6 or 8 bits, so a packed matrix takes what it takes in its file. The loader reads
 codes and scales straight from a file's bytes (`BlockCodes`, loader/dequant.py) and `pack_block_codes` puts
 them in the kernel's layout (kernels/quantized.h). Other checkpoints go through `find_packed`, which
 recognizes a Q4_0/Q4_1/Q8_0-shaped matrix from its fp32 values, recovering its codes exactly (it checks the
@@ -24,6 +25,22 @@ BLOCK = 32  # weights per block along the input dimension
 GROUP = 16  # output rows per packed group (one 512-bit register of row sums)
 SUPER_BLOCK = 256  # weights per k-quant super-block
 _NONE = torch.empty(0)
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4; its scale is halved to match): code q -> integer
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's exponent bytes (uint8) as ggml's GGML_E8M0_TO_FP32_HALF reads them: 2^(e - 128) in fp32
+    exactly, built from its bits (e - 1 in the exponent field; e = 0, 1 the subnormals 2^-128, 2^-127)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def is_e8m0(scales: torch.Tensor, super_scales: torch.Tensor | None) -> bool:
+    """Whether a block matrix's scales are MXFP4's exponent bytes: uint8 scales without super-block scales
+    (the k-quants' uint8 sub-block scales always come with theirs)."""
+    return scales.dtype == torch.uint8 and (super_scales is None or not super_scales.numel())
 
 
 @dataclass(frozen=True)
@@ -33,7 +50,9 @@ class BlockCodes:
 
     bits: int  # 4, 5, 6: codes uint8 0..2^bits - 1; 8: codes int8
     codes: torch.Tensor  # (N, K/32, 32)
-    scales: torch.Tensor  # (N, K/S): fp16 d, or with super_scales the 8-bit sub-block scales
+    # (N, K/S): fp16 d, or with super_scales the 8-bit sub-block scales, or uint8 without them MXFP4's
+    # exponent bytes e (4-bit codes: w = MXFP4_VALUES[q] 2^(e - 128))
+    scales: torch.Tensor
     # (N, K/32): fp16 m, or with super_scales the uint8 mins; None: none (4-6 bits: w = d (q - 2^(bits-1)))
     offsets: torch.Tensor | None = None
     super_scales: torch.Tensor | None = None  # (N, K/256, 2) fp16: D and -Dmin of each super-block
@@ -60,7 +79,8 @@ class PackedWeight:
     # 4-, 5-, 6-bit: (N/16, K/32, 4, 5 or 6, 64) uint8 (nibble chunks, then high bits; kernels/quantized.h);
     # 8-bit: (N/16, K/32, 8, 64) int8; 16-bit: (N, K) fp16 or bf16
     codes: torch.Tensor
-    # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales
+    # (N/16, K/S, 16), S = 32 weights (Q6_K: 16): fp16 d, or with super_scales the 8-bit sub-block scales,
+    # or uint8 without them MXFP4's exponent bytes (4-bit codes, no offsets)
     scales: torch.Tensor
     # (N/16, K/32, 16): fp16 m, or with super_scales the uint8 sub-block mins; empty: no offset (w = d q),
     # or for 4-bit codes m = -8 d (Q4_0)
@@ -110,11 +130,15 @@ class PackedWeight:
             q = _codes_of_chunks(picked, self.bits)
             if not self.offsets.numel() and self.bits > 4:  # Q5_0, Q6_K: w = d (q - 2^(bits-1))
                 q = q.to(torch.int16) - (1 << (self.bits - 1))
+        mxfp4 = is_e8m0(self.scales, self.super_scales)
+        if mxfp4:
+            q = MXFP4_VALUES[q.long()]
         in_features = q.shape[1] * BLOCK
         scale_weights = in_features // self.scales.shape[1]
-        d = self.scales[group, :, row].float()  # (T, K/S)
+        scales = self.scales[group, :, row]
+        d = e8m0_to_fp32_half(scales) if mxfp4 else scales.float()  # (T, K/S)
         m = self.offsets[group, :, row].float() if self.offsets.numel() else None  # (T, K/32)
-        if m is None and self.bits == 4:  # Q4_0: w = d (q - 8)
+        if m is None and self.bits == 4 and not mxfp4:  # Q4_0: w = d (q - 8)
             m = -8 * d
         if self.super_scales.numel():  # d = D sc, m = (-Dmin) mn, in fp32 as ggml forms them
             per_super = self.super_scales[group, :, :, row].float()  # (T, K/256, 2)

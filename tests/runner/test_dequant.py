@@ -45,6 +45,21 @@ def test_dequantize_matches_gguf_reference(qtype: GGMLQuantizationType) -> None:
     torch.testing.assert_close(got, expected.reshape(SHAPE), rtol=0, atol=0)
 
 
+def test_mxfp4_decodes_every_exponent_and_code_exactly() -> None:
+    # Every E8M0 byte whose weights are all finite (from 253 on 12 x 2^(e - 128) overflows fp32), the
+    # subnormal scales of e = 0 and 1 included, against every nibble in both halves of the block: a product
+    # of a small integer and a power of two, bit for bit.
+    qtype = GGMLQuantizationType.MXFP4
+    exponents = np.repeat(np.arange(253, dtype=np.uint8), 2)  # (506,): each byte twice, the codes differ
+    codes = np.random.default_rng(1).integers(0, 256, size=(exponents.size, 16), dtype=np.uint8)
+    codes[0] = codes[2] = np.arange(16, dtype=np.uint8) * 0x11  # every code, low and high nibble
+    blocks = np.concatenate([exponents[:, None], codes], axis=1).reshape(2, -1)  # (rows, bytes)
+    expected = torch.from_numpy(np.ascontiguousarray(quants.dequantize(blocks, qtype))).reshape(2, -1)
+    got = dequantize(blocks, qtype, tuple(expected.shape))
+    assert torch.isfinite(expected).all() and (expected[0, :32] != 0).any()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16])
 def test_dequantize_accepts_raw_bytes_and_any_shape(qtype: GGMLQuantizationType) -> None:
     # the same bytes, flat uint8 and reshaped to 3-D torch order, decode to the same values

@@ -1,7 +1,7 @@
 """GGUF tensor data to float32 torch tensors.
 
-Owns the byte layouts of the ggml types serval can load (plain floats, the 32-element legacy quants and the
-256-element k-quants) and nothing else: which tensor means what, and renaming, live in `gguf.py`.
+Owns the byte layouts of the ggml types serval can load (plain floats, the 32-element legacy quants, the
+256-element k-quants and MXFP4) and nothing else: which tensor means what, and renaming, live in `gguf.py`.
 
 Every decoder works on all blocks at once: the raw bytes become a `(num_blocks, type_size)` uint8 tensor,
 each field of the block is a column slice of it, and the weights come out as `(num_blocks, block_size)`.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from serval.runner.quantization import BlockCodes
+from serval.runner.quantization import MXFP4_VALUES, BlockCodes, e8m0_to_fp32_half
 
 QK_K = 256  # elements in a k-quant super-block
 K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in Q4_K / Q5_K
@@ -147,6 +147,13 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales).unsqueeze(-1) * q).reshape(-1, QK_K)
 
 
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # block: e (E8M0 exponent byte) | qs (16 bytes, 32 E2M1 nibbles as Q4_0's); x = kvalues[q] * 2^(e - 128),
+    # exact in fp32 (a small integer times a power of two)
+    d = e8m0_to_fp32_half(blocks[:, :1])
+    return MXFP4_VALUES[_nibbles(blocks[:, 1:]).long()].float() * d
+
+
 BlockDecoder = Callable[[torch.Tensor], torch.Tensor]
 
 _BLOCK_DECODERS: MappingProxyType[GGMLQuantizationType, BlockDecoder] = MappingProxyType(
@@ -159,6 +166,7 @@ _BLOCK_DECODERS: MappingProxyType[GGMLQuantizationType, BlockDecoder] = MappingP
         GGMLQuantizationType.Q4_K: _q4_k,
         GGMLQuantizationType.Q5_K: _q5_k,
         GGMLQuantizationType.Q6_K: _q6_k,
+        GGMLQuantizationType.MXFP4: _mxfp4,
     }
 )
 _FLOAT_DTYPES: MappingProxyType[GGMLQuantizationType, torch.dtype] = MappingProxyType(
@@ -176,7 +184,7 @@ def is_supported(qtype: GGMLQuantizationType) -> bool:
 
 
 # Types whose blocks are codes with a scale (and offset) per 16 or 32 weights: the quantized kernels'
-# packed forms (runner/quantization.py).
+# packed forms (runner/quantization.py). MXFP4's scale is an exponent byte, its code an index into a table.
 BLOCK_CODE_TYPES = frozenset(
     {
         GGMLQuantizationType.Q4_0,
@@ -187,6 +195,7 @@ BLOCK_CODE_TYPES = frozenset(
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.MXFP4,
     }
 )
 
@@ -236,6 +245,8 @@ def block_codes(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
         super_scales = torch.stack([d, torch.zeros_like(d)], dim=-1)
         scales = blocks[:, 192:208].contiguous().view(torch.int8).reshape(per_row)
         return BlockCodes(6, codes(_q6_codes(blocks)), scales, None, super_scales)
+    if qtype == Q.MXFP4:  # w = MXFP4_VALUES[q] 2^(e - 128): the raw nibbles and the exponent bytes
+        return BlockCodes(4, codes(_nibbles(blocks[:, 1:])), blocks[:, 0].reshape(per_row))
     raise UnsupportedQuantizationError(f"{qtype.name} has no packed form")
 
 
