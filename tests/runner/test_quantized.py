@@ -13,7 +13,14 @@ from serval.engine.engine import Engine
 from serval.runner.batch import Batch
 from serval.runner.kernels import quantized_matmul
 from serval.runner.loader.dequant import BLOCK_CODE_TYPES, block_codes, dequantize
-from serval.runner.quantization import BLOCK, BlockCodes, find_packed, pack_block_codes, sixteen_bit_form
+from serval.runner.quantization import (
+    BLOCK,
+    BlockCodes,
+    find_packed,
+    is_e8m0,
+    pack_block_codes,
+    sixteen_bit_form,
+)
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 from tests.fixtures.quants import random_blocks
 
@@ -123,8 +130,9 @@ def test_native_packing_of_file_bytes_equals_the_tensor_ops(kernels, qtype, head
 def _offsets(block: BlockCodes) -> torch.Tensor:
     """m of every (row, block of 32) as fp32, zero for formats without one."""
     rows, num_blocks = block.codes.shape[:2]
-    if block.offsets is None:  # 4-bit codes without offsets are Q4_0's: m = -8 d
-        return -8 * block.scales.float() if block.bits == 4 else torch.zeros(rows, num_blocks)
+    if block.offsets is None:  # 4-bit codes without offsets are Q4_0's (m = -8 d) but for MXFP4's (none)
+        four_bit_symmetric = block.bits == 4 and not is_e8m0(block.scales, block.super_scales)
+        return -8 * block.scales.float() if four_bit_symmetric else torch.zeros(rows, num_blocks)
     if block.super_scales is None:
         return block.offsets.float()
     return block.super_scales[..., 1].float().repeat_interleave(8, dim=1) * block.offsets.float()
@@ -182,7 +190,7 @@ def _reference(
 def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     # K = 768: 3 super-blocks of the k-quants, and for the tiled path a slice of 256 and a partial one
     # where it applies (K 352 for the 32-weight formats).
-    cols = 768 if qtype >= GGMLQuantizationType.Q2_K else 352
+    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
     raw, weight = _file_matrix(qtype, 72, cols, seed=rows)
     block = block_codes(raw, qtype, (72, cols))
     packed = pack_block_codes(block)

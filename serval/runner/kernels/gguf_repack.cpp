@@ -15,6 +15,7 @@
 //   Q5_K (176 / 256):     D | Dmin | scales | qh (32 bytes: the fifth bit of weight l of sub-block j is bit
 //                         j of byte l) | 128 bytes as Q4_K
 //   Q6_K (210 / 256):     ql (128) | qh (64) | 16 int8 scales (one per 16 weights) | D; q - 32
+//   MXFP4 (17 / 32):      e (E8M0 exponent byte) | 16 bytes of E2M1 nibbles laid out as Q4_0's
 #include "quantized.h"
 
 using namespace serval_kernels;
@@ -23,13 +24,16 @@ using namespace serval_kernels::quantized;
 namespace {
 
 // GGML's type ids (ggml.h), the ones this file reads.
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39
+};
 
 struct Format {
   int64_t block_weights, block_bytes;
   int bits;               // of the packed codes: 4, 5, 6 or 8
   int64_t scale_weights;  // weights per scale d: 32, or 16 (Q6_K)
   bool offsets, super;
+  bool e8m0 = false;  // scales: one exponent byte per 32 weights (MXFP4), copied as it is
 };
 
 constexpr Format format_of(int64_t type) {
@@ -41,6 +45,7 @@ constexpr Format format_of(int64_t type) {
     case kQ5_1: return {32, 24, 5, 32, true, false};
     case kQ4_K: return {256, 144, 4, 32, true, true};
     case kQ5_K: return {256, 176, 5, 32, true, true};
+    case kMXFP4: return {32, 17, 4, 32, false, false, true};
     default: return {256, 210, 6, 16, false, true};  // kQ6_K
   }
 }
@@ -66,10 +71,10 @@ struct DecodedBlock {
   uint16_t super_d = 0, super_m = 0;
 };
 
-// Every type but Q4_0 / Q4_1, which pack_q4_group_block packs without decoding.
+// Every type but Q4_0 / Q4_1 / MXFP4, which pack_q4_group_block packs without decoding.
 template <int64_t type>
 inline void decode_block(const uint8_t* b, DecodedBlock& out) {
-  static_assert(type != kQ4_0 && type != kQ4_1);
+  static_assert(type != kQ4_0 && type != kQ4_1 && type != kMXFP4);
   switch (type) {
     case kQ8_0:
       std::memcpy(out.q, b + 2, 32);
@@ -174,7 +179,7 @@ inline void store_pairs(uint8_t* chunk, int64_t r, uint32_t bytes) {
   }
 }
 
-// Q4_0 / Q4_1, group G's rows of block i, without decoding a byte per weight: the packed chunks are the
+// Q4_0 / Q4_1 / MXFP4, group G's rows of block i, without decoding a byte per weight: the packed chunks are the
 // file's nibbles regrouped. Chunk c's byte (h, r, e) pairs weights 8c + 2h + e and 8c + 4 + 2h + e of row r
 // (quantized.h); the file holds weights 0-15 in the low nibbles of its 16 bytes and 16-31 in the high ones,
 // so chunks 0 and 1 pair the low nibbles of bytes j and j + 4 of each 8-byte half (j 0-3), chunks 2 and 3
@@ -183,24 +188,25 @@ inline void store_pairs(uint8_t* chunk, int64_t r, uint32_t bytes) {
 template <int64_t type>
 void pack_q4_group_block(const uint8_t* src, int64_t row_bytes, int64_t num_rows, int64_t K, int64_t G, int64_t i,
                          const Packed& out) {
-  constexpr int64_t kNibblesAt = type == kQ4_0 ? 2 : 4;  // after d (and m)
+  constexpr int64_t kNibblesAt = type == kMXFP4 ? 1 : (type == kQ4_0 ? 2 : 4);  // after d or e (and m)
   const int64_t block = G * (K / kBlock) + i;
   uint8_t* chunks = out.codes + block * 4 * kChunkBytes;
   for (int64_t r = 0; r < kGroup; ++r) {
     uint64_t half0 = 0, half1 = 0;  // padding rows: zero codes and scales
-    uint16_t d = 0, m = 0;
+    uint16_t d = 0, m = 0;  // MXFP4: d is the exponent byte
     if (r < num_rows) {
       const uint8_t* b = src + r * row_bytes + i * format_of(type).block_bytes;
       std::memcpy(&half0, b + kNibblesAt, 8);
       std::memcpy(&half1, b + kNibblesAt + 8, 8);
-      d = read_u16(b);
+      d = type == kMXFP4 ? b[0] : read_u16(b);
       if constexpr (type == kQ4_1) m = read_u16(b + 2);
     }
     store_pairs(chunks, r, nibble_pairs(half0));
     store_pairs(chunks + kChunkBytes, r, nibble_pairs(half1));
     store_pairs(chunks + 2 * kChunkBytes, r, nibble_pairs(half0 >> 4));  // the high nibbles
     store_pairs(chunks + 3 * kChunkBytes, r, nibble_pairs(half1 >> 4));
-    std::memcpy(out.scales + (block * kGroup + r) * 2, &d, 2);
+    if constexpr (type == kMXFP4) out.scales[block * kGroup + r] = static_cast<uint8_t>(d);
+    else std::memcpy(out.scales + (block * kGroup + r) * 2, &d, 2);
     if constexpr (type == kQ4_1) std::memcpy(out.offsets + (block * kGroup + r) * 2, &m, 2);
   }
 }
@@ -279,8 +285,10 @@ void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
       const uint8_t* group = src + G * kGroup * row_bytes;
       const int64_t num_rows = std::min(kGroup, rows - G * kGroup);
       for (int64_t i = 0; i < K / f.block_weights; ++i) {
-        if constexpr (type == kQ4_0 || type == kQ4_1) pack_q4_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
-        else pack_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
+        if constexpr (type == kQ4_0 || type == kQ4_1 || type == kMXFP4)
+          pack_q4_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
+        else
+          pack_group_block<type>(group, row_bytes, num_rows, K, G, i, out);
       }
     }
   });
@@ -292,14 +300,14 @@ void pack_all(const uint8_t* src, int64_t rows, int64_t K, const Packed& out) {
 // and unfilled, rows padded to whole groups of 16; an absent one is empty.
 std::vector<at::Tensor> gguf_packed_buffers(int64_t type, int64_t rows, int64_t K) {
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K ||
-              type == kQ5_K || type == kQ6_K, "GGML type ", type, " has no packed form");
+              type == kQ5_K || type == kQ6_K || type == kMXFP4, "GGML type ", type, " has no packed form");
   const Format f = format_of(type);
   TORCH_CHECK(K % f.block_weights == 0, "K: whole blocks of ", f.block_weights);
   const int64_t groups = (rows + kGroup - 1) / kGroup, blocks32 = K / kBlock;
   const auto options = at::TensorOptions();
   auto codes = at::empty({groups, blocks32, chunks_per_block(f.bits), kChunkBytes},
                             options.dtype(f.bits == 8 ? at::kChar : at::kByte));
-  const auto scale_type = !f.super ? at::kHalf : (type == kQ6_K ? at::kChar : at::kByte);
+  const auto scale_type = f.e8m0 ? at::kByte : (!f.super ? at::kHalf : (type == kQ6_K ? at::kChar : at::kByte));
   auto scales = at::empty({groups, K / f.scale_weights, kGroup}, options.dtype(scale_type));
   auto offsets = f.offsets ? at::empty({groups, blocks32, kGroup}, options.dtype(f.super ? at::kByte : at::kHalf))
                            : at::empty({0});
@@ -344,6 +352,7 @@ void pack_gguf_blocks_into(at::Tensor raw, int64_t type, int64_t rows, int64_t K
     case kQ5_1: pack_all<kQ5_1>(src, rows, K, packed); break;
     case kQ4_K: pack_all<kQ4_K>(src, rows, K, packed); break;
     case kQ5_K: pack_all<kQ5_K>(src, rows, K, packed); break;
+    case kMXFP4: pack_all<kMXFP4>(src, rows, K, packed); break;
     default: pack_all<kQ6_K>(src, rows, K, packed); break;
   }
 }

@@ -16,6 +16,9 @@
 //           (Q4_K)
 //   kQ5K    the same with 5-bit codes (Q5_K)
 //   kQ6K    6-bit codes, per 256 an fp16 D, per 16 an int8 scale: d = D sc, w = d (q - 32) (Q6_K)
+//   kMXFP4  4-bit E2M1 codes, per 32 an E8M0 exponent byte e: w = v[q] 2^(e - 128) (MXFP4), v the int8
+//           table kMxfp4Values (the E2M1 values doubled, as ggml halves the scale), looked up as the codes are
+//           widened; the scale stays its exponent byte (2^-127 .. 2^127 is past fp16's range)
 // d and m are formed in fp32 exactly as ggml's dequantizers form them, so w is the file's weight bit for bit.
 //
 // A scale block's codes are 64-byte chunks. Byte i of a chunk is (half h, row r, element e) = (i / 32,
@@ -47,7 +50,19 @@ constexpr int64_t kFewRows = 8;  // up to this many rows of x a matmul is a deco
 // too: no better).
 constexpr int64_t kPrefetchBytes = 8192;
 
-enum class Layout { kQ4, kQ4Sym, kQ8, kQ5Sym, kQ5, kQ4K, kQ5K, kQ6K };
+enum class Layout { kQ4, kQ4Sym, kQ8, kQ5Sym, kQ5, kQ4K, kQ5K, kQ6K, kMXFP4 };
+
+// MXFP4's E2M1 codes as integers: each FP4 value doubled (ggml's kvalues_mxfp4), the scale halved to match.
+alignas(16) constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 exponent byte as ggml's GGML_E8M0_TO_FP32_HALF reads it, 2^(e - 128) in fp32 exactly: the
+// exponent field e - 1, or for e 0 and 1 the subnormals 2^-128 and 2^-127.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
 
 template <Layout L>
 struct Traits {
@@ -57,9 +72,13 @@ struct Traits {
   static constexpr bool kSuper = L == Layout::kQ4K || L == Layout::kQ5K || L == Layout::kQ6K;
   // Whether y gets the offset term m sum(x_b). Q4_0's m = -8 d is one; Q5_0's and Q6_K's bias is subtracted
   // from the codes instead (Q6_K's d changes every 16 weights, x's sums are per 32).
-  static constexpr bool kOffsets = L != Layout::kQ8 && L != Layout::kQ5Sym && L != Layout::kQ6K;
+  static constexpr bool kOffsets =
+      L != Layout::kQ8 && L != Layout::kQ5Sym && L != Layout::kQ6K && L != Layout::kMXFP4;
   static constexpr int kCodeBias = L == Layout::kQ5Sym ? 16 : (L == Layout::kQ6K ? 32 : 0);
-  static constexpr bool kSignedCodes = L == Layout::kQ8 || kCodeBias != 0;  // once the bias is subtracted
+  // Whether a nibble is an index into kMxfp4Values (MXFP4) rather than the code itself.
+  static constexpr bool kCodeTable = L == Layout::kMXFP4;
+  // once the bias is subtracted or the table looked up
+  static constexpr bool kSignedCodes = L == Layout::kQ8 || kCodeBias != 0 || kCodeTable;
   static constexpr int64_t kScaleWeights = L == Layout::kQ6K ? 16 : 32;  // weights per d (and m)
   static constexpr int kNibbleChunks = kNibbles ? static_cast<int>(kScaleWeights / 8) : 0;
   static constexpr int kChunks = kNibbles ? kNibbleChunks + (kHighBits > 0) : static_cast<int>(kScaleWeights / 4);  // 64-byte chunks per d
@@ -81,16 +100,18 @@ decltype(auto) with_layout(Layout layout, F&& f) {
     case Layout::kQ5: return f(std::integral_constant<Layout, Layout::kQ5>{});
     case Layout::kQ4K: return f(std::integral_constant<Layout, Layout::kQ4K>{});
     case Layout::kQ5K: return f(std::integral_constant<Layout, Layout::kQ5K>{});
-    case Layout::kQ6K: break;
+    case Layout::kQ6K: return f(std::integral_constant<Layout, Layout::kQ6K>{});
+    case Layout::kMXFP4: break;
   }
-  return f(std::integral_constant<Layout, Layout::kQ6K>{});
+  return f(std::integral_constant<Layout, Layout::kMXFP4>{});
 }
 
 // One packed matrix, as the kernels read it.
 struct PackedMatrix {
   const uint8_t* codes;
   int64_t group_bytes;  // codes per group of 16 rows
-  const void* scales;   // (groups, K / scale weights, 16): fp16 d, or the 8-bit sub-block scales (k-quants)
+  // (groups, K / scale weights, 16): fp16 d, or the 8-bit sub-block scales (k-quants), or E8M0 bytes (MXFP4)
+  const void* scales;
   const void* offsets;  // (groups, K / 32, 16): fp16 m, or the 8-bit sub-block mins (k-quants); null: none
   const at::Half* super;  // (groups, K / 256, 2, 16): D and -Dmin (k-quants); else null
   int64_t K;
@@ -101,6 +122,12 @@ template <Layout L>
 inline void block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
   using T = Traits<L>;
   const int64_t at = (G * (w.K / T::kScaleWeights) + s) * kGroup;
+  if constexpr (L == Layout::kMXFP4) {  // no offset: w = v[q] d
+    const uint8_t* e = static_cast<const uint8_t*>(w.scales) + at;
+    for (int r = 0; r < kGroup; ++r) d[r] = e8m0_half(e[r]);
+    (void)m;
+    return;
+  }
   for (int v = 0; v < kGroup; v += simd::kWidth) {
     if constexpr (L == Layout::kQ4Sym) {
       const simd::Vec scale = simd::load(static_cast<const at::Half*>(w.scales) + at + v);
@@ -137,7 +164,8 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
             for (int n = 0; n < 2; ++n) {
               const int nibble = n ? byte >> 4 : byte & 0x0F;
               const int top = (high >> (T::kHighBits * (2 * c + n))) & ((1 << T::kHighBits) - 1);
-              q[8 * c + 4 * n + 2 * h + e][r] = static_cast<int16_t>((nibble | (top << 4)) - T::kCodeBias);
+              const int code = T::kCodeTable ? kMxfp4Values[nibble] : (nibble | (top << 4)) - T::kCodeBias;
+              q[8 * c + 4 * n + 2 * h + e][r] = static_cast<int16_t>(code);
             }
           }
         } else {
@@ -150,7 +178,8 @@ inline void unpack_block(const uint8_t* block, int16_t q[Traits<L>::kScaleWeight
 
 // The codes of one 32-byte half of nibble chunk c, its low (n = 0) or high (n = 1) nibbles, in bytes: the
 // nibbles joined with their high bits from `high`, the same half of the scale block's high-bit chunk, less
-// the layout's bias (signed bytes where Traits::kSignedCodes). AVX2's and AVX-512's 256-bit halves.
+// the layout's bias, or for MXFP4 looked up in kMxfp4Values (a byte shuffle: the nibble indexes the table in
+// each 128-bit lane) (signed bytes where Traits::kSignedCodes). AVX2's and AVX-512's 256-bit halves.
 #if defined(__AVX2__)
 template <Layout L>
 inline __m256i nibble_codes(__m256i nibbles, __m256i high, int c, int n) {
@@ -164,6 +193,10 @@ inline __m256i nibble_codes(__m256i nibbles, __m256i high, int c, int n) {
     q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(((1 << T::kHighBits) - 1) << 4))));
   }
   if constexpr (T::kCodeBias != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(T::kCodeBias));
+  if constexpr (T::kCodeTable) {
+    const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+    q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), q);
+  }
   return q;
 }
 #endif
@@ -179,6 +212,10 @@ inline __m512i nibble_codes(__m512i nibbles, __m512i high, int c, int n) {
     q = _mm512_ternarylogic_epi32(q, moved, _mm512_set1_epi8(static_cast<char>(((1 << T::kHighBits) - 1) << 4)), 0xF8);
   }
   if constexpr (T::kCodeBias != 0) q = _mm512_sub_epi8(q, _mm512_set1_epi8(T::kCodeBias));
+  if constexpr (T::kCodeTable) {
+    const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+    q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), q);
+  }
   return q;
 }
 #endif

@@ -16,6 +16,12 @@
 // 8 pairs sum in int16 without overflow (8 x 2 x 15 x 127 < 32767), so a block is two int16 sums a row,
 // widened once: y += d dx dot(q, xq) + m sum(x_b) in fp32, sum(x_b) of the rounded x as on the few-row
 // path (quantized.h says why).
+//
+// MXFP4's codes are signed table values v (-12..12, quantized.h), which the unsigned operand of VPMADDUBSW and
+// VPDPBUSD cannot take as they are. With VPDPBUSD's int32 sums (AVX-512) the table is shifted to unsigned
+// v + 12 and the offset m = -12 d takes the shift back, as Q4_0's m = -8 d does; VPMADDUBSW's int16 sums
+// (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
+// magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
 #include "quantized.h"
 
 using namespace serval_kernels;
@@ -40,6 +46,41 @@ struct Outlier {
 
 // x's outliers (ordered by column, so each column's weights are dequantized once a group), and the rest of
 // x rounded to int8 per block with the outliers taken as 0.
+// The table MXFP4's nibbles are looked up in, as the products here take them (above): unsigned v + 12 with
+// VPDPBUSD's int32 sums, signed v with VPMADDUBSW's int16 ones.
+#if defined(__AVX512VNNI__)
+constexpr bool kTableShifted = true;
+alignas(16) constexpr int8_t kInt8Table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#else
+constexpr bool kTableShifted = false;
+alignas(16) constexpr int8_t kInt8Table[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#endif
+
+// block_scales, with MXFP4's m the one its codes here need: -12 d for the shifted table, else 0 (block_scales
+// gives MXFP4 none). -12 d is exact: 3 times a power of two.
+template <Layout L>
+inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
+  block_scales<L>(w, G, s, d, m);
+  if constexpr (Traits<L>::kCodeTable)
+    for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;
+}
+
+// Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.
+template <Layout L>
+inline __m256i int8_codes(__m256i nibbles) {
+  if constexpr (!Traits<L>::kCodeTable) return nibbles;
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
+}
+
+// VPMADDUBSW of codes and x: for signed codes (MXFP4 on AVX2) their magnitudes times x with their signs.
+template <Layout L>
+inline __m256i pair_products(__m256i codes, __m256i x) {
+  if constexpr (Traits<L>::kCodeTable && !kTableShifted)
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes));
+  return _mm256_maddubs_epi16(codes, x);
+}
+
 struct Int8Split {
   std::vector<Outlier> outliers;
   QuantizedRows<int8_t> rows;
@@ -81,10 +122,14 @@ inline void column_weights(const PackedMatrix& w, int64_t G, int64_t k, float* o
   alignas(64) float d[kGroup], m[kGroup];
   const int64_t s = k / kBlock, i = k % kBlock;
   block_scales<L>(w, G, s, d, m);
+  if constexpr (Traits<L>::kCodeTable) std::fill_n(m, kGroup, 0.0f);  // w = v[q] d
   const int c = static_cast<int>(i / 8), n = static_cast<int>(i % 8 / 4), h = static_cast<int>(i % 4 / 2),
             e = static_cast<int>(i % 2);
   const uint8_t* bytes = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes + h * 32 + e;
-  for (int r = 0; r < kGroup; ++r) out[r] = d[r] * static_cast<float>((bytes[2 * r] >> (4 * n)) & 0x0F) + m[r];
+  for (int r = 0; r < kGroup; ++r) {
+    const int nibble = (bytes[2 * r] >> (4 * n)) & 0x0F;
+    out[r] = d[r] * static_cast<float>(Traits<L>::kCodeTable ? kMxfp4Values[nibble] : nibble) + m[r];
+  }
 }
 
 // out[r][16 G + n] += the outliers' exact products with group G's 16 rows.
@@ -133,8 +178,14 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
     for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
-      const __m512i low = _mm512_permutexvar_epi16(order, _mm512_and_si512(packed, nibble));
-      const __m512i high = _mm512_permutexvar_epi16(order, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
+      __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (Traits<L>::kCodeTable) {  // unsigned v + 12 (kInt8Table)
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table)));
+        low = _mm512_shuffle_epi8(table, low);
+        high = _mm512_shuffle_epi8(table, high);
+      }
+      low = _mm512_permutexvar_epi16(order, low);
+      high = _mm512_permutexvar_epi16(order, high);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
         dots[r] = _mm512_dpbusd_epi32(dots[r], low, broadcast_quad(x));
@@ -142,7 +193,7 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
       }
     }
     alignas(64) float d[kGroup], m[kGroup];
-    block_scales<L>(w, G, s, d, m);
+    int8_block_scales<L>(w, G, s, d, m);
     const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * num_blocks + s;
@@ -163,7 +214,8 @@ GroupPass group_pass_for(int64_t rows) {
 template <Layout L>
 void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
-  static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
+  static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
+                Traits<L>::kScaleWeights == kBlock);
   const Int8Split split = split_for_int8(x, M, w.K);
   const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
@@ -196,12 +248,13 @@ void block_rows(const uint8_t* block, const float* d, const float* m, const Int8
     const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
     const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
     const __m256i operand[4] = {  // pairs 4c, 4c + 1, 4c + 2, 4c + 3
-        _mm256_and_si256(half0, nibble), _mm256_and_si256(half1, nibble),
-        _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble)};
+        int8_codes<L>(_mm256_and_si256(half0, nibble)), int8_codes<L>(_mm256_and_si256(half1, nibble)),
+        int8_codes<L>(_mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble)),
+        int8_codes<L>(_mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble))};
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
       for (int o = 0; o < 4; ++o)
-        sums[r][c / 2] = _mm256_add_epi16(sums[r][c / 2], _mm256_maddubs_epi16(operand[o], broadcast_pair(x + 2 * o)));
+        sums[r][c / 2] = _mm256_add_epi16(sums[r][c / 2], pair_products<L>(operand[o], broadcast_pair(x + 2 * o)));
     }
   }
   const int64_t num_blocks = K / kBlock;
@@ -242,13 +295,19 @@ constexpr int kFewRowsPass = 4;  // rows of x a pass: 4 accumulators and 4 int16
 // VPDPBUSD adds each dword's 4 products straight into int32 where AVX-VNNI has it; otherwise VPMADDUBSW's
 // pair sums add up in int16 (16 products a lane: 16 x 15 x 127 < 32767) and widen once a block, VPMADDWD
 // against ones.
+// Signed codes (MXFP4) give their magnitudes to the codes' operand and their signs to x's (VPSIGNB).
+template <Layout L>
 struct ByteDots {
   __m256i sum = _mm256_setzero_si256();
   void add(__m256i codes0, __m256i x0, __m256i codes1, __m256i x1) {
 #if defined(__AVXVNNI__)
+    if constexpr (Traits<L>::kCodeTable) {
+      x0 = _mm256_sign_epi8(x0, codes0), x1 = _mm256_sign_epi8(x1, codes1);
+      codes0 = _mm256_abs_epi8(codes0), codes1 = _mm256_abs_epi8(codes1);
+    }
     sum = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum, codes0, x0), codes1, x1);
 #else
-    sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(codes0, x0), _mm256_maddubs_epi16(codes1, x1)));
+    sum = _mm256_add_epi16(sum, _mm256_add_epi16(pair_products<L>(codes0, x0), pair_products<L>(codes1, x1)));
 #endif
   }
   __m256i int32() const {
@@ -270,15 +329,16 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
     const uint8_t* block = codes + s * Traits<L>::kChunks * kChunkBytes;
-    ByteDots dots[R][2];
+    ByteDots<L> dots[R][2];
     for (int c = 0; c < 4; ++c) {
       simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes));
       const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + c * kChunkBytes + 32));
       // Low nibbles: weights 8c .. 8c + 3 of each row; high nibbles: 8c + 4 .. 8c + 7.
-      const __m256i low0 = _mm256_and_si256(half0, nibble), low1 = _mm256_and_si256(half1, nibble);
-      const __m256i high0 = _mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble);
-      const __m256i high1 = _mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble);
+      const __m256i low0 = int8_codes<L>(_mm256_and_si256(half0, nibble));
+      const __m256i low1 = int8_codes<L>(_mm256_and_si256(half1, nibble));
+      const __m256i high0 = int8_codes<L>(_mm256_and_si256(_mm256_srli_epi16(half0, 4), nibble));
+      const __m256i high1 = int8_codes<L>(_mm256_and_si256(_mm256_srli_epi16(half1, 4), nibble));
       const __m256i low_a = _mm256_unpacklo_epi16(low0, low1), low_b = _mm256_unpackhi_epi16(low0, low1);
       const __m256i high_a = _mm256_unpacklo_epi16(high0, high1), high_b = _mm256_unpackhi_epi16(high0, high1);
       for (int r = 0; r < R; ++r) {
@@ -292,7 +352,7 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
       }
     }
     alignas(32) float d[kGroup], m[kGroup];
-    block_scales<L>(w, G, s, d, m);
+    int8_block_scales<L>(w, G, s, d, m);
     const __m256 d_a = _mm256_loadu2_m128(d + 8, d), d_b = _mm256_loadu2_m128(d + 12, d + 4);
     const __m256 m_a = _mm256_loadu2_m128(m + 8, m), m_b = _mm256_loadu2_m128(m + 12, m + 4);
     for (int r = 0; r < R; ++r) {
@@ -321,7 +381,8 @@ GroupFewRows group_few_rows_for(int64_t rows) {
 template <Layout L>
 void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
-  static_assert(Traits<L>::kCodeBits == 4 && Traits<L>::kOffsets && Traits<L>::kScaleWeights == kBlock);
+  static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
+                Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
   const Int8Split split = split_for_int8(x, M, K);
   const Int8Rows& xq = split.rows;
@@ -349,7 +410,7 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t s = 0; s < num_blocks; ++s) {
         alignas(32) float d[kGroup], m[kGroup];
-        block_scales<L>(w, G, s, d, m);
+        int8_block_scales<L>(w, G, s, d, m);
         const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
         for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
           block_rows_for<L>(std::min<int64_t>(kPassRows, M - r0))(block, d, m, xq, r0, K, s, acc.data());
@@ -368,7 +429,7 @@ namespace serval_kernels::quantized {
 
 bool has_int8_rows(Layout layout) {
 #if defined(__AVX2__)
-  return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K;
+  return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K || layout == Layout::kMXFP4;
 #else
   (void)layout;
   return false;
@@ -383,6 +444,7 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
     case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
     case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
     case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride); break;
     default: break;
   }
 #endif

@@ -1,9 +1,10 @@
 // y = x @ W.T, W in 4-, 5-, 6- or 8-bit codes with a scale (and offset) per block of 32 or 16 weights: the
-// exact weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and k-quant (Q4_K/Q5_K/Q6_K) files (quantized.h lists the
-// layouts), read at 0.56-1.06 bytes a weight, as in the file, against bf16's 2. Up to 8 rows of x (decode) go through the
-// integer dot products here: VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the
-// portable build; batch-1 decode reads every weight once per token, so bytes and these instructions are its
-// cost. More rows go through quantized_tiles.cpp.
+// exact weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, k-quant (Q4_K/Q5_K/Q6_K) and MXFP4 files (quantized.h lists
+// the layouts; MXFP4's nibbles are looked up in an int8 table as they are widened), read at 0.53-1.06 bytes
+// a weight, as in the file, against bf16's 2. Up to 8 rows of x (decode) go through the integer dot products
+// here: VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the portable build; batch-1
+// decode reads every weight once per token, so bytes and these instructions are its cost. More rows go
+// through quantized_tiles.cpp.
 //
 // Weights come packed by serval/runner/quantization.py in groups of 16 output rows, so one 512-bit register
 // holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once (on
@@ -273,11 +274,15 @@ Layout packed_layout(const at::Tensor& codes, const at::Tensor& scales, const at
       layout = Layout::kQ8;
     } else if (code_bits == 5) {
       layout = has_offsets ? Layout::kQ5 : Layout::kQ5Sym;
+    } else if (scales.scalar_type() == at::kByte) {  // E8M0 exponent bytes: MXFP4
+      TORCH_CHECK(!has_offsets, "MXFP4 codes take no offsets");
+      layout = Layout::kMXFP4;
     } else {
       layout = has_offsets ? Layout::kQ4 : Layout::kQ4Sym;
     }
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && (!has_offsets || offsets.scalar_type() == at::kHalf),
-                "fp16 scales and offsets");
+    TORCH_CHECK(layout == Layout::kMXFP4 ||
+                    (scales.scalar_type() == at::kHalf && (!has_offsets || offsets.scalar_type() == at::kHalf)),
+                "fp16 scales and offsets (uint8 scales: MXFP4's exponents, 4-bit codes)");
   } else {
     TORCH_CHECK(code_bits != 8, "int8 codes have no k-quant layout");
     layout = code_bits == 4 ? Layout::kQ4K : (code_bits == 5 ? Layout::kQ5K : Layout::kQ6K);
