@@ -74,7 +74,9 @@ def test_gguf_matches_transformers(tiny_model_factory, tmp_path, architecture):
         GGMLQuantizationType.Q4_1,
         GGMLQuantizationType.Q5_0,
         GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.MXFP4,
     ],
+    ids=lambda t: t.name,
 )
 @pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
 def test_packed_experts_run_natively_and_agree_with_the_dense_path(
@@ -107,27 +109,37 @@ def test_packed_experts_run_natively_and_agree_with_the_dense_path(
     assert _greedy(exact, PROMPTS, max_tokens=8) == _greedy(dense, PROMPTS, max_tokens=8)
 
 
-def test_native_experts_equal_the_pytorch_path_on_the_same_packed_weights(tiny_model_factory, tmp_path):
+# (batch activations, bound relative to the largest output): x rounded to int16 per block (2^-15 of its
+# largest value), or to int8 (2^-7), which only 4-bit layouts (Q4_0, Q4_1, Q4_K, MXFP4) take.
+ROUNDINGS = [("float32", 2e-3), ("int8", 3e-2)]
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4], ids=lambda t: t.name
+)
+def test_native_experts_equal_the_pytorch_path_on_the_same_packed_weights(
+    tiny_model_factory, tmp_path, qtype
+):
     # Both paths compute from the file's exact weights; only x's rounding (int8/int16 per block) differs.
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
     _, reference = tiny_model_factory("qwen3_moe", False)
-    path = str(tmp_path / "q8.gguf")
-    write_gguf_from_state_dict(
-        path, reference.config.to_dict(), reference.state_dict(), GGMLQuantizationType.Q8_0
-    )
-    engine = _packed_engine(path)
-    if engine.runner.kernel_variant == "none":
-        pytest.skip("no native kernels on this machine")
-    moe = _sparse_layers(engine)[0]
-    torch.manual_seed(0)
-    for num_tokens in (1, 3, 17, 64):  # decode rows, few rows per expert, the tiles' batches
-        x = torch.randn(num_tokens, reference.config.hidden_size)
-        ids, weights = moe.route(x)
-        native = moe(x)
-        exact = moe.experts_reference(x, ids, weights)
-        assert native.shape == exact.shape and native.dtype == torch.float32
-        assert (native - exact).abs().max().item() < 2e-3 * exact.abs().max().item()
+    path = str(tmp_path / f"{qtype.name}.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), qtype)
+    for batch_activations, bound in ROUNDINGS:
+        engine = _packed_engine(path, batch_activations)
+        if engine.runner.kernel_variant == "none":
+            pytest.skip("no native kernels on this machine")
+        moe = _sparse_layers(engine)[0]
+        torch.manual_seed(0)
+        for num_tokens in (1, 3, 17, 64):  # decode rows, few rows per expert, the tiles' batches
+            x = torch.randn(num_tokens, reference.config.hidden_size)
+            ids, weights = moe.route(x)
+            native = moe(x)
+            exact = moe.experts_reference(x, ids, weights)
+            assert native.shape == exact.shape and native.dtype == torch.float32
+            error = (native - exact).abs().max().item()
+            assert error < bound * exact.abs().max().item(), (batch_activations, num_tokens)
 
 
 def test_batched_equals_alone(tiny_model_factory, tmp_path):

@@ -48,7 +48,8 @@ def _q4_k_m(name: str) -> GGMLQuantizationType:
 
 
 FORMATS = {
-    t.name: t for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16)
+    t.name: t
+    for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F16, Q.BF16)
 } | {"Q4_K_M": _q4_k_m}
 PROMPTS = [list(range(3, 40)), [7, 99, 250, 13, 13, 13, 5], list(range(300, 340, 2))]
 
