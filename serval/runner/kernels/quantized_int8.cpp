@@ -44,9 +44,7 @@ struct Outlier {
   float value;
 };
 
-// x's outliers (ordered by column, so each column's weights are dequantized once a group), and the rest of
-// x rounded to int8 per block with the outliers taken as 0.
-// The table MXFP4's nibbles are looked up in, as the products here take them (above): unsigned v + 12 with
+// The table MXFP4's nibbles are looked up in, as the products here take them (top of this file): v + 12 with
 // VPDPBUSD's int32 sums, signed v with VPMADDUBSW's int16 ones.
 #if defined(__AVX512VNNI__)
 constexpr bool kTableShifted = true;
@@ -81,6 +79,8 @@ inline __m256i pair_products(__m256i codes, __m256i x) {
   return _mm256_maddubs_epi16(codes, x);
 }
 
+// x's outliers (ordered by column, so each column's weights are dequantized once a group), and the rest of
+// x rounded to int8 per block with the outliers taken as 0.
 struct Int8Split {
   std::vector<Outlier> outliers;
   QuantizedRows<int8_t> rows;
