@@ -251,7 +251,11 @@ def test_gpt_oss_experts_match_transformers():
     assert (ours(x) - theirs[0]).abs().max().item() < 1e-4
 
 
-def test_gpt_oss_experts_natively_over_packed_stacks():
+# gpt-oss's GGUF experts are MXFP4 (ggml-org's files); Q8_0 as the other packed formats.
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4], ids=lambda t: t.name
+)
+def test_gpt_oss_experts_natively_over_packed_stacks(qtype):
     from serval.runner.kernels import load_cpu_kernels
     from serval.runner.models.arch import MoeArch
     from serval.runner.quantization import pack_block_codes
@@ -266,10 +270,8 @@ def test_gpt_oss_experts_natively_over_packed_stacks():
     ours = SparseMoe(64, MoeArch.from_hf_config("GptOssForCausalLM", config))
     _load_block(ours, block)
     for stack in (ours.experts.gate_proj, ours.experts.up_proj, ours.experts.down_proj):
-        raw = quantize(stack.weight.detach().numpy(), GGMLQuantizationType.Q8_0)
-        stack.packed = pack_block_codes(
-            block_codes(raw, GGMLQuantizationType.Q8_0, tuple(stack.weight.shape))
-        )
+        raw = quantize(stack.weight.detach().numpy(), qtype)
+        stack.packed = pack_block_codes(block_codes(raw, qtype, tuple(stack.weight.shape)))
     torch.manual_seed(2)
     x = torch.randn(9, 64) * 3
     ids, weights = ours.route(x)
