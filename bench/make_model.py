@@ -102,13 +102,23 @@ SINKS = Role(None, 0.0, SINK_STD)
 # ModelShape.dimensions().
 LayerTable = tuple[tuple[str, tuple[str, ...], Role], ...]
 
-# NOTE: llama.cpp stores a Llama attn_q/attn_k with rows permuted per head; random rows need no permuting
-LLAMA_LAYER: LayerTable = (
+# Unbiased attention (Llama, Qwen3-MoE), and a router over SiLU-gated experts with no biases (Qwen3-MoE).
+_ATTENTION: LayerTable = (
     ("attn_norm.weight", ("hidden",), NORM),
     ("attn_q.weight", ("q", "hidden"), MATRIX),
     ("attn_k.weight", ("kv", "hidden"), MATRIX),
     ("attn_v.weight", ("kv", "hidden"), MATRIX),
     ("attn_output.weight", ("hidden", "q"), MATRIX),
+)
+_ROUTED_EXPERTS: LayerTable = (
+    ("ffn_gate_inp.weight", ("experts", "hidden"), ROUTER),
+    ("ffn_gate_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
+    ("ffn_up_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
+    ("ffn_down_exps.weight", ("experts", "hidden", "expert_ffn"), EXPERTS),
+)
+
+# NOTE: llama.cpp stores a Llama attn_q/attn_k with rows permuted per head; random rows need no permuting
+LLAMA_LAYER: LayerTable = _ATTENTION + (
     ("ffn_norm.weight", ("hidden",), NORM),
     ("ffn_gate.weight", ("ffn", "hidden"), MATRIX),
     ("ffn_up.weight", ("ffn", "hidden"), MATRIX),
@@ -118,18 +128,13 @@ LLAMA_LAYER: LayerTable = (
 # llama.cpp's src/models/qwen3moe.cpp: per-head RMSNorm of q and k, a softmax router over every expert
 # (top-k weights renormalized), SiLU-gated experts, no dense or shared FFN.
 QWEN3MOE_LAYER: LayerTable = (
-    ("attn_norm.weight", ("hidden",), NORM),
-    ("attn_q.weight", ("q", "hidden"), MATRIX),
-    ("attn_k.weight", ("kv", "hidden"), MATRIX),
-    ("attn_v.weight", ("kv", "hidden"), MATRIX),
-    ("attn_output.weight", ("hidden", "q"), MATRIX),
-    ("attn_q_norm.weight", ("head_dim",), NORM),
-    ("attn_k_norm.weight", ("head_dim",), NORM),
-    ("ffn_norm.weight", ("hidden",), NORM),
-    ("ffn_gate_inp.weight", ("experts", "hidden"), ROUTER),
-    ("ffn_gate_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_up_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_down_exps.weight", ("experts", "hidden", "expert_ffn"), EXPERTS),
+    _ATTENTION
+    + (
+        ("attn_q_norm.weight", ("head_dim",), NORM),
+        ("attn_k_norm.weight", ("head_dim",), NORM),
+        ("ffn_norm.weight", ("hidden",), NORM),
+    )
+    + _ROUTED_EXPERTS
 )
 
 # llama.cpp's src/models/openai-moe.cpp: biased q/k/v/o, a learned sink logit per head, the FFN's norm

@@ -10,19 +10,18 @@ analysis)."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from serval.api.app import build_app
 from serval.server_config import ServerConfig
 from serval.serving.frontend import Frontend
 from serval.serving.tokenizer import Tokenizer
+from tests.fixtures.inprocess_server import serving
 from tests.fixtures.tiny_models import write_tiny_model
 from tests.serving.fakes import FakeEngine
 
@@ -52,24 +51,12 @@ def model_directory(tmp_path_factory) -> str:
     return directory
 
 
-def _serve(frontend: Frontend):
-    app = build_app(ServerConfig(served_model_names=(MODEL,)), frontend)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
-    )
-    return server, thread, client
+@contextmanager
+def _serve(frontend: Frontend) -> Iterator[openai.OpenAI]:
+    with serving(build_app(ServerConfig(served_model_names=(MODEL,)), frontend)) as port:
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +64,8 @@ def scripted(model_directory):
     """The server over a scripted engine that writes ANSWER (seed 0) or CALL (seed 1) in token ids."""
     tokenizer = Tokenizer.from_directory(model_directory)
     engine = FakeEngine([ANSWER, CALL], max_model_len=4096, encode=tokenizer.encode)
-    server, thread, client = _serve(Frontend(engine, tokenizer))
-    yield client
-    server.should_exit = True
-    thread.join(10)
+    with _serve(Frontend(engine, tokenizer)) as client:
+        yield client
 
 
 def _stream(client, **fields) -> tuple[str, str, list, str]:
@@ -145,10 +130,8 @@ def real(model_directory):
         )
         engine = EngineClient.start(config)
         try:
-            server, thread, client = _serve(Frontend(engine, Tokenizer.from_directory(model_directory)))
-            yield client
-            server.should_exit = True
-            thread.join(10)
+            with _serve(Frontend(engine, Tokenizer.from_directory(model_directory))) as client:
+                yield client
         finally:
             engine.shutdown()
 

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import base64
 import math
-import socket
-import threading
-import time
 
 import openai
 import pytest
-import uvicorn
 
 from serval.api.app import build_app
 from serval.server_config import ServerConfig
@@ -23,6 +19,7 @@ from serval.serving.media.decode import DecodedAudio, DecodedImage, DecodedVideo
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.parts import MediaKind
 from serval.serving.media.resize import ResizeBounds
+from tests.fixtures.inprocess_server import serving
 from tests.serving.fakes import ByteTokenizer, FakeEngine
 from tests.serving.media.files import audio_bytes, image_bytes, png_bomb, video_bytes
 from tests.serving.media.http_server import MediaServer
@@ -85,24 +82,11 @@ def served(tmp_path_factory, media_server):
     )
     frontend = Frontend(engine, ByteTokenizer(), media_config=media, media_processor=ProbeProcessor())
     app = build_app(ServerConfig(served_model_names=("probe",)), frontend)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
-    )
-    yield client, engine, media_server
-    server.should_exit = True
-    thread.join(10)
+    with serving(app) as port:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        yield client, engine, media_server
 
 
 def ask(client, *parts, **extra):

@@ -57,13 +57,18 @@ def test_logits_match_transformers(tiny_model_factory, architecture, tied):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_matches_transformers(tiny_model_factory, architecture):
     directory, reference = tiny_model_factory(architecture, False)
-    engine = _engine(directory)
-    ours = _greedy(engine, PROMPTS, max_tokens=12)
-    for prompt, tokens in zip(PROMPTS, ours):
+    assert_greedy_matches(_engine(directory), reference, PROMPTS, max_tokens=12)
+
+
+def assert_greedy_matches(engine: Engine, reference, prompts: list[list[int]], max_tokens: int) -> None:
+    """The engine's greedy tokens for the prompts (batched) are transformers' generate() for each alone."""
+    ours = _greedy(engine, prompts, max_tokens=max_tokens)
+    for prompt, tokens in zip(prompts, ours):
         with torch.no_grad():
             out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
-            )
+                torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
         assert tokens == out[0, len(prompt) :].tolist()
 
 

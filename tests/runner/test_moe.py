@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.moe import SparseMoe
-from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits
+from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
 MOE_ARCHITECTURES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
@@ -35,13 +35,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, architecture):
             with torch.no_grad():
                 theirs = reference(torch.tensor([prompt[:end]])).logits[0, -1]
             assert (_serval_logits(engine, prompt[:end]) - theirs).abs().max().item() < 1e-3
-    ours = _greedy(engine, PROMPTS, max_tokens=10)
-    for prompt, tokens in zip(PROMPTS, ours):
-        with torch.no_grad():
-            out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
-            )
-        assert tokens == out[0, len(prompt) :].tolist()
+    assert_greedy_matches(engine, reference, PROMPTS, max_tokens=10)
 
 
 def test_qwen2_moe_keeps_its_dense_layer_and_shared_expert(tiny_model_factory):
