@@ -9,6 +9,10 @@ Sequences that compute one token (decodes) run through the native decode kernel 
 cache in place) when it is built, else as one padded SDPA call over gathered K/V. Sequences that compute
 several (prefill chunks) run through the native prefill kernel, all in one call, reading the cache in place
 too; else one SDPA call each, causal with an offset when part of their context is already cached.
+
+A layer may see only the last `window` positions up to each query's (gpt-oss's sliding layers) and add a
+learned sink logit per head to every softmax's denominator (gpt-oss); the native kernels take both, the
+PyTorch path masks and, with sinks, computes the softmax itself (SDPA has no sinks).
 """
 
 from __future__ import annotations
@@ -186,12 +190,15 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,  # a query sees the last `window` positions up to its own; 0: its whole context
+    sinks: torch.Tensor | None = None,  # (num_heads,) fp32 sink logits
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)  # index_copy_ is several times cheaper than index_put
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     paged = (-1, meta.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
+    native_sinks = _NO_SINKS if sinks is None else sinks
     if meta.decode_kernel is not None and meta.decode_rows is not None:
         out[meta.decode_rows] = meta.decode_kernel(
             q[meta.decode_rows],
@@ -200,30 +207,65 @@ def paged_attention(
             meta.decode_block_tables,
             meta.decode_context_lens,
             scale,
+            window,
+            native_sinks,
         )
     elif meta.decode_rows is not None:
         q_dec = q[meta.decode_rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)
         k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # (num_decodes, num_kv_heads, max_len, head_dim)
         v_dec = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[meta.decode_rows] = o.squeeze(2)
+        mask = meta.decode_mask
+        if window:  # slots are the context in order: key j is position j, the query the last one
+            key_positions = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (key_positions > mask.sum(-1, keepdim=True) - 1 - window)
+        out[meta.decode_rows] = _attend(q_dec, k_dec, v_dec, mask, scale, sinks).squeeze(2)
     if meta.native_prefills is not None:
         n = meta.native_prefills
         meta.prefill_kernel(
             q, k_cache.view(paged), v_cache.view(paged), n.block_tables, n.query_starts, n.query_lens,
-            n.context_lens, scale, out,
+            n.context_lens, scale, out, window, native_sinks,
         )  # fmt: skip
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_new_tokens)
         q_p = q[rows].transpose(0, 1)  # (num_heads, num_new, head_dim)
         if p.context_slots is None:
             k_p, v_p = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=True)
         else:
             k_p = k_cache[p.context_slots].transpose(0, 1)  # (num_kv_heads, context_len, head_dim)
             v_p = v_cache[p.context_slots].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        if p.mask is None and not window and sinks is None:
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = _attend(q_p, k_p, v_p, _prefill_mask(p, window, q.device), scale, sinks)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+_NO_SINKS = torch.empty(0)  # the native kernels' "no sink logits"
+
+
+def _prefill_mask(p: PrefillSlice, window: int, device: torch.device) -> torch.Tensor:
+    """(num_new_tokens, context_len) bool: the keys each new token sees, causal and within the window."""
+    q_pos = torch.arange(p.context_len - p.num_new_tokens, p.context_len, device=device)[:, None]
+    k_pos = torch.arange(p.context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window else mask
+
+
+def _attend(
+    q: torch.Tensor,  # (..., num_heads, num_queries, head_dim)
+    k: torch.Tensor,  # (..., num_kv_heads, num_keys, head_dim)
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcast to (..., num_queries, num_keys): True = may attend
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # The sink is one more logit in each row's softmax whose value is zero: its share is dropped.
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3).float(), v.repeat_interleave(group, dim=-3).float()
+    scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink_column = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v).to(q.dtype)

@@ -54,6 +54,8 @@ def rope_inverse_frequencies(
         return inv_freq.float()
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -65,6 +67,41 @@ def rope_inverse_frequencies(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled).float()
+
+
+def _yarn_inverse_frequencies(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling
+) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    # (divided by factor), those that turn more than beta_fast times kept, a linear ramp between.
+    def dim_of(rotations: float) -> float:  # the rotary dim that turns `rotations` times over the context
+        turns = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one dim, not a division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return (inv_freq / scaling.factor * (1 - kept) + inv_freq * kept).float()
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """YaRN's scale of cos and sin (so of every attention logit, squared); 1 for the other kinds."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
 
 
 @dataclass
@@ -94,12 +131,12 @@ class RotaryEmbedding(nn.Module):
 
     native_kernel = None  # kernels.rotary_embedding_, set by use_native_kernels
 
-    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor):
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(positions, inv_freq)  # (max_positions, head_dim // 2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         return RopeTables(self.cos[positions], self.sin[positions], dtype, self.native_kernel)

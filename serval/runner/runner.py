@@ -219,6 +219,11 @@ class ModelRunner:
                 f"{arch.architecture} (a mixture of experts) is not supported with tensor parallelism"
                 " (--tensor-parallel-size): its experts are not split"
             )
+        if arch.o_proj_bias:
+            raise ValueError(
+                f"{arch.architecture} with an attention output bias is not supported with tensor parallelism"
+                " (--tensor-parallel-size): the bias of a row-split projection is not split"
+            )
         if arch.vision is not None:
             raise ValueError(
                 f"{arch.architecture} (a multimodal model) is not supported with tensor parallelism"

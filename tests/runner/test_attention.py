@@ -1,10 +1,10 @@
-"""Paged attention: the native decode and prefill kernels and the PyTorch paths agree with dense SDPA."""
+"""Paged attention: the native decode and prefill kernels and the PyTorch paths agree with dense attention,
+with and without a sliding window and per-head sink logits (gpt-oss)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from serval.runner.attention import AttentionMetadata, paged_attention
 from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
@@ -12,20 +12,21 @@ from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
 
 
-def _dense_reference(q, k_ctx, v_ctx, num_computed):
-    # q: (num_new, H, D) at positions num_computed.., k/v: (context, KVH, D)
+def _dense_reference(q, k_ctx, v_ctx, num_computed, window=0, sinks=None, scale=HEAD_DIM**-0.5):
+    """q: (num_new, H, D) at positions num_computed.., k/v: (context, KVH, D), as transformers' eager
+    attention computes it (gpt-oss's: the sink logit joins each row's softmax, its share dropped)."""
     context = k_ctx.shape[0]
-    q_pos = torch.arange(num_computed, num_computed + q.shape[0])
-    mask = torch.arange(context)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k_ctx.transpose(0, 1).float(),
-        v_ctx.transpose(0, 1).float(),
-        attn_mask=mask,
-        scale=HEAD_DIM**-0.5,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)
+    q_pos = torch.arange(num_computed, num_computed + q.shape[0])[:, None]
+    k_pos = torch.arange(context)[None, :]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    group = q.shape[1] // k_ctx.shape[1]
+    k = k_ctx.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, context, D)
+    v = v_ctx.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q.float().transpose(0, 1) @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :context]
+    return (probs @ v).transpose(0, 1)
 
 
 # Three sequences: a decode with 9 cached tokens, a fresh prefill of 7, a chunk of 5 after 6 cached; and a
@@ -33,10 +34,15 @@ def _dense_reference(q, k_ctx, v_ctx, num_computed):
 STEPS = {"mixed": ([1, 7, 5], [9, 0, 6]), "decode_only": ([1, 1, 1], [9, 3, 7])}
 
 
+# gpt-oss's attention: a window shorter than the contexts (it cuts off the cached prefixes), sink logits.
+GPT_OSS = {"plain": (0, False), "window": (4, False), "sinks": (0, True), "window_and_sinks": (3, True)}
+
+
+@pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("variant", [None, *VARIANT_NAMES])  # None: the PyTorch path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_matches_dense_attention(step, variant, dtype):
+def test_step_matches_dense_attention(step, variant, dtype, attention):
     decode_kernel = prefill_kernel = None
     if variant is not None:
         kernels = require_kernels(variant)
@@ -51,15 +57,17 @@ def test_step_matches_dense_attention(step, variant, dtype):
     q = torch.randn(total, NUM_HEADS, HEAD_DIM, dtype=dtype)
     k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
     v = torch.randn_like(k)
+    window, with_sinks = GPT_OSS[attention]
+    sinks = torch.randn(NUM_HEADS) * 2 if with_sinks else None
     meta = AttentionMetadata.build(
         num_new, num_computed, tables, BLOCK_SIZE, torch.device("cpu"), decode_kernel, prefill_kernel
     )
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, window, sinks)
     row = 0
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for n, c, table in zip(num_new, num_computed, tables):
         slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c + n)]
-        expected = _dense_reference(q[row : row + n], k_cache[slots], v_cache[slots], c)
+        expected = _dense_reference(q[row : row + n], k_cache[slots], v_cache[slots], c, window, sinks)
         assert (out[row : row + n].float() - expected).abs().max().item() < tol
         # The new tokens' K/V were written into their slots.
         assert torch.equal(k_cache[slots[c:]], k[row : row + n])
@@ -78,9 +86,10 @@ def _scattered_block_tables(lens: list[int], block_size: int, num_blocks: int):
     return tables, torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
 
 
+@pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the register-tiled path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(kernels, head_dim, dtype):
+def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(kernels, head_dim, dtype, attention):
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
     # Context lengths around the kernel's tiles (8 tokens on AVX2, 16 on AVX-512), and one longer than a few
@@ -91,21 +100,27 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(kernels, h
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), scale)
+    window, with_sinks = GPT_OSS[attention]
+    window *= 5  # 20 and 15 keys: windows that start mid-block and mid-tile, past the shorter contexts
+    sinks = torch.randn(num_heads) * 3 if with_sinks else torch.empty(0)
+    out = kernels.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(lens), scale, window, sinks
+    )
     for i, (n, table) in enumerate(zip(lens, tables)):
-        k_ctx = k_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()  # (KVH, n, D)
-        v_ctx = v_cache[table].flatten(0, 1)[:n].transpose(0, 1).float()
-        expected = F.scaled_dot_product_attention(
-            q[i].float().unsqueeze(1), k_ctx, v_ctx, scale=scale, enable_gqa=True
-        ).squeeze(1)
+        k_ctx = k_cache[table].flatten(0, 1)[:n]  # (n, KVH, D)
+        v_ctx = v_cache[table].flatten(0, 1)[:n]
+        expected = _dense_reference(
+            q[i : i + 1], k_ctx, v_ctx, n - 1, window, sinks if with_sinks else None, scale
+        )[0]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out[i].float() - expected).abs().max().item() < tol, (n, dtype)
 
 
 # 48 takes the plain path; 32, 64 and 128 the tiled one (4 rows at a time, fewer for wider heads).
+@pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_dim, dtype):
+def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_dim, dtype, attention):
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
     # (new tokens, cached tokens): around the 16-row query blocks and the 8- or 16-key tiles, after cached
@@ -122,21 +137,17 @@ def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_
     q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = head_dim**-0.5
+    window, with_sinks = GPT_OSS[attention]
+    window *= 5  # 20 and 15 keys: shorter than most rows' contexts, starting mid-tile
+    sinks = torch.randn(num_heads) * 3 if with_sinks else torch.empty(0)
     kernels.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, query_starts, query_lens, torch.tensor(lens), scale, out
-    )
+        q, k_cache, v_cache, block_tables, query_starts, query_lens, torch.tensor(lens), scale, out, window, sinks
+    )  # fmt: skip
     for (n, c), table, row in zip(shapes, tables, query_starts.tolist()):
         k_ctx = k_cache[table].flatten(0, 1)[: n + c]
         v_ctx = v_cache[table].flatten(0, 1)[: n + c]
-        q_pos = torch.arange(c, c + n)
-        mask = torch.arange(n + c)[None, :] <= q_pos[:, None]
-        expected = F.scaled_dot_product_attention(
-            q[row : row + n].transpose(0, 1).float(),
-            k_ctx.transpose(0, 1).float(),
-            v_ctx.transpose(0, 1).float(),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(0, 1)
+        expected = _dense_reference(
+            q[row : row + n], k_ctx, v_ctx, c, window, sinks if with_sinks else None, scale
+        )
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out[row : row + n].float() - expected).abs().max().item() < tol, (n, c, dtype)

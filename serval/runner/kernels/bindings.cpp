@@ -17,10 +17,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
+  // window 0: every query sees its whole context; sinks empty: no sink logits.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache (one query token per sequence)", release());
+        "decode attention over the paged KV cache (one query token per sequence)", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("sinks") = at::empty({0}, at::kFloat), release());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prefilling sequences over the paged KV cache, written into out", release());
+        "causal attention of prefilling sequences over the paged KV cache, written into out", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("query_starts"), pybind11::arg("query_lens"), pybind11::arg("context_lens"),
+        pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("window") = 0,
+        pybind11::arg("sinks") = at::empty({0}, at::kFloat), release());
   m.def("quantized_linear", &quantized_linear, "x @ w.T with w in packed 4-bit or 8-bit blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("super_scales"),
         pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false, release());
@@ -37,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: each variant's module binds its own DecodeStack, and a process can load several (the tests).
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<at::Tensor>>&,
-                          const std::vector<std::vector<std::vector<at::Tensor>>>&, int64_t, int64_t, int64_t,
+                          const std::vector<std::vector<std::vector<at::Tensor>>>&, const std::vector<int64_t>&,
+                          int64_t, int64_t, int64_t,
                           int64_t, double, double, int64_t, int64_t, bool>())
       .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x", release());
 }

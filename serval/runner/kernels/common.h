@@ -88,15 +88,25 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f, Schedule sched
   }
 }
 
+// The attention kernels' per-head sink logits (gpt-oss): an fp32 tensor of one per query head, or an empty
+// (or undefined) one for none (a null pointer).
+inline const float* sink_logits(const at::Tensor& sinks, int64_t num_heads) {
+  if (!sinks.defined() || sinks.numel() == 0) return nullptr;
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == num_heads,
+              "sinks: contiguous fp32, one per query head");
+  return sinks.data_ptr<float>();
+}
+
 }  // namespace serval_kernels
 
+// window: a query sees the last `window` positions up to its own (0: all); sinks: see sink_logits.
 at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-    at::Tensor context_lens, double scale);
+    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks);
 void paged_prefill_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
     at::Tensor query_starts, at::Tensor query_lens, at::Tensor context_lens, double scale,
-    at::Tensor out);
+    at::Tensor out, int64_t window, at::Tensor sinks);
 at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_mul(at::Tensor gate_up);

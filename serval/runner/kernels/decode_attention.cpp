@@ -1,6 +1,8 @@
 // Decode attention over the paged KV cache, read in place (no gather into padded tensors).
 //
-// One query token per sequence. Work is split over (sequence, kv head) pairs; each pair walks its context
+// One query token per sequence, which sees the last `window` tokens of its context (0: all of them; gpt-oss's
+// sliding layers). A head's learned sink logit (gpt-oss), when given, joins the softmax's denominator only:
+// it takes a share of the attention and gives back no value. Work is split over (sequence, kv head) pairs; each pair walks its context
 // for each of the G query heads that share the kv head (GQA); a head's K and V rows stay in L1/L2 for the
 // next head. Two passes per head (scores, then softmax-weighted V): exact softmax, not an online one.
 //
@@ -17,6 +19,7 @@ struct Context {
   const int64_t* rows;  // per context token: its K/V row's element offset in the cache
   int64_t len;
   float scale;
+  float sink;  // the head's sink logit; -inf: none
   bool prefetch;  // the first head of a kv head: its K/V rows are still in memory, not in cache
 };
 
@@ -28,9 +31,9 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
     load_row(k_cache + c.rows[t], row, head_dim);
     scores[t] = dot(q, row, head_dim) * c.scale;
   }
-  float m = -INFINITY;
+  float m = c.sink;
   for (int64_t t = 0; t < c.len; ++t) m = std::max(m, scores[t]);
-  float sum = 0.0f;
+  float sum = std::exp(c.sink - m);
   for (int64_t t = 0; t < c.len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
   std::fill(out, out + head_dim, 0.0f);
   for (int64_t t = 0; t < c.len; ++t) {
@@ -86,7 +89,8 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
     simd::store(scores + t0, s);
   }
   // Softmax numerators (zero past the context); the division by their sum is folded into the output.
-  const Vec m = simd::set1(simd::reduce_max(vmax));
+  const float m_scalar = std::max(simd::reduce_max(vmax), c.sink);
+  const Vec m = simd::set1(m_scalar);
   Vec vsum = simd::zero();
   for (int64_t t = 0; t < c.len; t += W) {
     const Vec e = simd::first_lanes(c.len - t, simd::exp_nonpositive(simd::sub(simd::load(scores + t), m)), simd::zero());
@@ -101,7 +105,7 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
     const T* v = v_cache + c.rows[t];
     for (int i = 0; i < C; ++i) acc[i] = simd::fmadd(p, simd::load(v + W * i), acc[i]);
   }
-  const Vec inv = simd::set1(1.0f / simd::reduce_add(vsum));
+  const Vec inv = simd::set1(1.0f / (simd::reduce_add(vsum) + std::exp(c.sink - m_scalar)));
   for (int i = 0; i < C; ++i) simd::store(out + W * i, simd::mul(acc[i], inv));
 }
 
@@ -113,6 +117,8 @@ void decode_attention_impl(
     const at::Tensor& block_tables,  // (num_seqs, max_blocks) int64
     const at::Tensor& context_lens,  // (num_seqs,) int64
     double scale,
+    int64_t window,                  // the last tokens a query sees; 0: its whole context
+    const float* sinks,              // (num_heads,) sink logits, or null
     at::Tensor& out) {               // (num_seqs, num_heads, head_dim)
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -132,17 +138,21 @@ void decode_attention_impl(
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = lens[seq];
+      const int64_t context_len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t len = context_len - first;
       scores.resize(len + simd::kWidth);  // whole tiles
-      // Each token's row offset, found once per task (a division per token costs more than its math).
+      // Each visible token's row offset, found once per task (a division per token costs more than its math).
       rows.resize(len);
-      for (int64_t t = 0, b = 0; t < len; t += block_size, ++b) {
+      for (int64_t b = first / block_size, t0 = b * block_size; t0 < context_len; ++b, t0 += block_size) {
         const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
-        for (int64_t i = 0; i < block_size && t + i < len; ++i) rows[t + i] = offset + i * slot_stride;
+        for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < context_len; ++i)
+          rows[t0 + i - first] = offset + i * slot_stride;
       }
       for (int64_t g = 0; g < group; ++g) {
-        const Context context{rows.data(), len, static_cast<float>(scale), g == 0};
-        const int64_t head = seq * num_heads + kv_head * group + g;
+        const int64_t head_in_seq = kv_head * group + g, head = seq * num_heads + head_in_seq;
+        const float sink = sinks != nullptr ? sinks[head_in_seq] : -INFINITY;
+        const Context context{rows.data(), len, static_cast<float>(scale), sink, g == 0};
         load_row(q_ptr + head * head_dim, qf.data(), head_dim);
         if (head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
         else if (head_dim == 128) attend_head<T, 128>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
@@ -158,20 +168,22 @@ void decode_attention_impl(
 
 at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-    at::Tensor context_lens, double scale) {
+    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(window >= 0, "window: a token count, 0 for none");
+  const float* sink_ptr = sink_logits(sinks, q.size(1));
   auto out = at::empty_like(q);
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_cache, v_cache, bt, cl, scale, out);
+    decode_attention_impl<float>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, bt, cl, scale, out);
+    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
   } else if (q.scalar_type() == at::kHalf) {
-    decode_attention_impl<at::Half>(q, k_cache, v_cache, bt, cl, scale, out);
+    decode_attention_impl<at::Half>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }

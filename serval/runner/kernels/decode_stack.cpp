@@ -72,6 +72,7 @@ struct LayerWeights {
   at::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;
   LinearWeights qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // (num_slots, num_kv_heads, head_dim)
+  int64_t window;  // paged_decode_attention's
 };
 
 }  // namespace
@@ -80,19 +81,21 @@ class DecodeStack::Layers {
  public:
   // As DecodeStack takes them (decode_stack.h).
   Layers(const std::vector<std::vector<at::Tensor>>& layers,
-         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, int64_t num_heads, int64_t num_kv_heads,
+         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, const std::vector<int64_t>& windows,
+         int64_t num_heads, int64_t num_kv_heads,
          int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
          int64_t max_small_batch_rows, bool int8_batch_activations)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale) {
-    TORCH_CHECK(layers.size() == linears.size(), "one list of linear layers per layer");
+    TORCH_CHECK(layers.size() == linears.size() && layers.size() == windows.size(),
+                "one list of linear layers and one window per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       TORCH_CHECK(t.size() == 7 && linears[i].size() == 4, "each layer: 7 tensors and 4 linear layers");
       auto linear = [&](int64_t j) { return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations);
       };
       layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(0), linear(1),
-                         linear(2), linear(3), t[5], t[6]});
+                         linear(2), linear(3), t[5], t[6], windows[i]});
     }
   }
 
@@ -125,7 +128,7 @@ class DecodeStack::Layers {
     write_kv(w, k, v, slots);
     const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
     auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
-                                       block_tables, context_lens, scale_);
+                                       block_tables, context_lens, scale_, w.window, at::Tensor());
     const at::Tensor no_bias;
     x.add_(w.o(attn.view({rows, q_size}), no_bias));
     auto gate_up = w.gate_up(rms_norm(x, w.post_norm, eps_), no_bias);
@@ -157,10 +160,11 @@ class DecodeStack::Layers {
 };
 
 DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
-                         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, int64_t num_heads,
+                         const std::vector<std::vector<std::vector<at::Tensor>>>& linears,
+                         const std::vector<int64_t>& windows, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
                          int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations)
-    : layers_(std::make_shared<Layers>(layers, linears, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
+    : layers_(std::make_shared<Layers>(layers, linears, windows, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
                                        max_quantized_rows, max_small_batch_rows, int8_batch_activations)) {}
 
 void DecodeStack::forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor context_lens,

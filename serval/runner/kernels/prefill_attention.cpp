@@ -1,7 +1,9 @@
 // Prefill attention over the paged KV cache: every query row of every prefilling sequence in one call.
 //
 // A sequence's new tokens are the last query_len positions of its context: row i sits at position
-// context_len - query_len + i and sees keys 0..that position (causal, after whatever prefix was cached). K and
+// context_len - query_len + i and sees keys 0..that position (causal, after whatever prefix was cached), or
+// only the last `window` of them (gpt-oss's sliding layers). A head's learned sink logit (gpt-oss), when
+// given, joins each row's softmax denominator and gives back no value. K and
 // V are read from the cache, where the step's own rows were written first, so a prefix-cache hit or a later
 // prefill chunk needs no gather and no mask tensor.
 //
@@ -31,12 +33,20 @@ struct Layout {
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   int64_t block_size, max_blocks, slot_stride, block_stride;
   float scale;
+  int64_t window;      // 0: a row sees its whole context
+  const float* sinks;  // per query head, or null
+
+  float sink(int64_t head) const { return sinks != nullptr ? sinks[head] : -INFINITY; }
 };
 
 struct Sequence {
   int64_t query_start, query_len, context_len;
   const int64_t* block_table;
   int64_t position(int64_t row) const { return context_len - query_len + row; }
+  // The first key that row sees.
+  int64_t first_key(int64_t row, int64_t window) const {
+    return window > 0 ? std::max<int64_t>(0, position(row) - window + 1) : 0;
+  }
 };
 
 // Per-thread scratch, grown as needed and kept: a prefill's tasks are many and alike.
@@ -58,13 +68,15 @@ void store_row(const float* src, T* dst, int64_t n) {
 template <typename T>
 void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                        const Task& task, Scratch& scratch) {
-  const int64_t D = l.head_dim, num_keys = s.position(task.row_end - 1) + 1;
+  // Keys [base, base + num_keys): what the task's rows see.
+  const int64_t D = l.head_dim, base = s.first_key(task.row_begin, l.window);
+  const int64_t num_keys = s.position(task.row_end - 1) + 1 - base;
   scratch.keys.resize(num_keys * D);
   scratch.values.resize(num_keys * D);
   scratch.queries.resize(D);
   scratch.scores.resize(num_keys + D);  // scores, then one output row
   for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t row = cache_row(s, l, task.kv_head, t);
+    const int64_t row = cache_row(s, l, task.kv_head, base + t);
     load_row(k_cache + row, scratch.keys.data() + t * D, D);
     load_row(v_cache + row, scratch.values.data() + t * D, D);
   }
@@ -73,17 +85,18 @@ void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, c
   for (int64_t g = 0; g < l.group; ++g) {
     const int64_t head = task.kv_head * l.group + g;
     for (int64_t r = task.row_begin; r < task.row_end; ++r) {
-      const int64_t token = s.query_start + r, len = s.position(r) + 1;
+      const int64_t token = s.query_start + r;
+      const int64_t begin = s.first_key(r, l.window) - base, end = s.position(r) + 1 - base;
       load_row(q + token * l.q_token_stride + head * l.q_head_stride, scratch.queries.data(), D);
-      float m = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
+      float m = l.sink(head);
+      for (int64_t t = begin; t < end; ++t) {
         scores[t] = dot(scratch.queries.data(), scratch.keys.data() + t * D, D) * l.scale;
         m = std::max(m, scores[t]);
       }
-      float sum = 0.0f;
-      for (int64_t t = 0; t < len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
+      float sum = std::exp(l.sink(head) - m);
+      for (int64_t t = begin; t < end; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
       std::fill(acc, acc + D, 0.0f);
-      for (int64_t t = 0; t < len; ++t) axpy(scores[t] / sum, scratch.values.data() + t * D, acc, D);
+      for (int64_t t = begin; t < end; ++t) axpy(scores[t] / sum, scratch.values.data() + t * D, acc, D);
       store_row(acc, out + token * l.out_token_stride + head * l.out_head_stride, D);
     }
   }
@@ -93,13 +106,24 @@ inline int64_t keys_visible(int64_t position, int64_t tile) {  // keys of the ti
   return std::clamp<int64_t>(position - tile * kTile + 1, 0, kTile);
 }
 
+inline int64_t keys_before(int64_t first, int64_t tile) {  // keys of the tile before `first`
+  return std::clamp<int64_t>(first - tile * kTile, 0, kTile);
+}
+
+// A tile's lanes of `a` for the keys in [first, position], `outside` elsewhere (keys relative to the task's).
+inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, simd::Vec a, simd::Vec outside) {
+  return simd::first_lanes(keys_before(first, tile), outside, simd::first_lanes(keys_visible(position, tile), a, outside));
+}
+
 template <typename T, int D>  // head_dim, a multiple of kWidth
 void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W;
   constexpr int R = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows at a time: R * C output accumulators in registers
-  const int64_t num_keys = s.position(task.row_end - 1) + 1;
+  // Keys [base, base + num_keys): what the task's rows see; below, key indices are relative to base.
+  const int64_t base = s.first_key(task.row_begin, l.window);
+  const int64_t num_keys = s.position(task.row_end - 1) + 1 - base;
   const int64_t num_tiles = (num_keys + kTile - 1) / kTile, padded = num_tiles * kTile;
   const int64_t rows = task.row_end - task.row_begin;
   scratch.keys.assign(padded * D, 0.0f);  // tile-major, transposed: keys[tile][d][kTile]
@@ -110,7 +134,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
   float* values = scratch.values.data();
   float row_buffer[D];
   for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t row = cache_row(s, l, task.kv_head, t);
+    const int64_t row = cache_row(s, l, task.kv_head, base + t);
     load_row(k_cache + row, row_buffer, D);
     float* tile = keys + (t / kTile) * kTile * D + t % kTile;
     for (int64_t d = 0; d < D; ++d) tile[d * kTile] = row_buffer[d];
@@ -126,14 +150,20 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
       const T* src = q + (s.query_start + task.row_begin + i) * l.q_token_stride + head * l.q_head_stride;
       for (int c = 0; c < C; ++c) simd::store(queries + i * D + W * c, simd::mul(simd::load(src + W * c), scale));
     }
+    const float sink = l.sink(head);
     for (int64_t i0 = 0; i0 < rows; i0 += R) {
-      int64_t position[R];
-      for (int i = 0; i < R; ++i) position[i] = s.position(task.row_begin + std::min<int64_t>(i0 + i, rows - 1));
-      const int64_t tiles = position[R - 1] / kTile + 1;  // the rows' last tile; later keys are all masked
-      // Scores, masked past each row's position, and each row's max.
+      int64_t position[R], first[R];  // each row's last and first key
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = task.row_begin + std::min<int64_t>(i0 + i, rows - 1);
+        position[i] = s.position(r) - base;
+        first[i] = s.first_key(r, l.window) - base;
+      }
+      // The rows' tiles: keys outside them are masked for every row.
+      const int64_t first_tile = first[0] / kTile, tiles = position[R - 1] / kTile + 1;
+      // Scores, masked outside each row's keys, and each row's max.
       Vec vmax[R];
       for (int i = 0; i < R; ++i) vmax[i] = minus_infinity;
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int64_t tile = first_tile; tile < tiles; ++tile) {
         const float* kt = keys + tile * kTile * D;
         Vec a[R][2];
         for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = simd::zero();
@@ -147,29 +177,31 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
         }
         for (int i = 0; i < R; ++i) {
           const Vec sc = simd::add(a[i][0], a[i][1]);
-          vmax[i] = simd::max(vmax[i], simd::first_lanes(keys_visible(position[i], tile), sc, minus_infinity));
+          vmax[i] = simd::max(vmax[i], visible_lanes(first[i], position[i], tile, sc, minus_infinity));
           simd::store(scores + (i0 + i) * padded + tile * kTile, sc);
         }
       }
-      // Softmax numerators, zero past each row's position; 1 / their sum is applied to the output.
+      // Softmax numerators, zero outside each row's keys; 1 / their sum (and the sink's) is applied to the
+      // output.
       float inverse_sum[R];
       for (int i = 0; i < R; ++i) {
         float* row = scores + (i0 + i) * padded;
-        const Vec m = simd::set1(simd::reduce_max(vmax[i]));
+        const float m_scalar = std::max(simd::reduce_max(vmax[i]), sink);
+        const Vec m = simd::set1(m_scalar);
         Vec vsum = simd::zero();
-        for (int64_t tile = 0; tile < tiles; ++tile) {
-          const Vec e = simd::first_lanes(keys_visible(position[i], tile),
-                                          simd::exp_nonpositive(simd::sub(simd::load(row + tile * kTile), m)), simd::zero());
+        for (int64_t tile = first_tile; tile < tiles; ++tile) {
+          const Vec e = visible_lanes(first[i], position[i], tile,
+                                      simd::exp_nonpositive(simd::sub(simd::load(row + tile * kTile), m)), simd::zero());
           simd::store(row + tile * kTile, e);
           vsum = simd::add(vsum, e);
         }
-        inverse_sum[i] = 1.0f / simd::reduce_add(vsum);
+        inverse_sum[i] = 1.0f / (simd::reduce_add(vsum) + std::exp(sink - m_scalar));
       }
       // out = sum_t p_t v_t / sum_t p_t
       Vec acc[R][C];
       for (int i = 0; i < R; ++i)
         for (int c = 0; c < C; ++c) acc[i][c] = simd::zero();
-      for (int64_t t = 0; t < tiles * kTile; ++t) {
+      for (int64_t t = first_tile * kTile; t < tiles * kTile; ++t) {
         Vec v[C];
         for (int c = 0; c < C; ++c) v[c] = simd::load(values + t * D + W * c);
         for (int i = 0; i < R; ++i) {
@@ -189,12 +221,12 @@ template <typename T>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
-                            at::Tensor& out) {
+                            int64_t window, const float* sinks, at::Tensor& out) {
   const Layout l{
       q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2),
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
       k_cache.size(1), block_tables.size(1), k_cache.size(2) * q.size(2), k_cache.size(1) * k_cache.size(2) * q.size(2),
-      static_cast<float>(scale)};
+      static_cast<float>(scale), window, sinks};
   const int64_t num_seqs = query_lens.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   std::vector<Sequence> seqs(num_seqs);
@@ -233,7 +265,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                              at::Tensor block_tables, at::Tensor query_starts, at::Tensor query_lens,
-                             at::Tensor context_lens, double scale, at::Tensor out) {
+                             at::Tensor context_lens, double scale, at::Tensor out, int64_t window,
+                             at::Tensor sinks) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out: (tokens, heads, head_dim)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -246,12 +279,14 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   }
   TORCH_CHECK(block_tables.size(0) == query_lens.size(0) && query_starts.size(0) == query_lens.size(0) &&
               context_lens.size(0) == query_lens.size(0), "one block table, start and length per sequence");
+  TORCH_CHECK(window >= 0, "window: a token count, 0 for none");
+  const float* sink_ptr = sink_logits(sinks, q.size(1));
   if (q.scalar_type() == at::kFloat) {
-    prefill_attention_impl<float>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
+    prefill_attention_impl<float>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    prefill_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
+    prefill_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
   } else if (q.scalar_type() == at::kHalf) {
-    prefill_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, out);
+    prefill_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }

@@ -15,11 +15,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str  # "default", "linear", "llama3", "yarn" (yarn: not supported, refused at load)
+    rope_type: str  # "linear", "llama3" or "yarn" (transformers' rope_parameters; "default" is None)
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    # YaRN: the band of frequencies between beta_fast and beta_slow rotations over the original context is
+    # blended from interpolated to kept; cos and sin are scaled by attention_factor (None: 0.1 ln(factor) + 1,
+    # or the mscale ratio when both mscale keys are given); truncate rounds the band's edges to whole dims.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,13 @@ class ArchConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
+    o_proj_bias: bool = False  # the output projection carries a bias too (gpt-oss, Llama's attention_bias)
+    # Sliding-window attention: the layers whose queries see only the last sliding_window positions up to
+    # their own (gpt-oss: the even layers; transformers' layer_types, or every layer of a Mistral/Mixtral
+    # config with a sliding_window).
+    sliding_window: int = 0
+    sliding_layers: frozenset[int] = frozenset()
+    attention_sinks: bool = False  # a learned logit per head joins every softmax (gpt-oss)
     # M-RoPE (Qwen2-VL): how many rotary frequencies follow each position axis (t, h, w, t, ...); empty: 1-D
     mrope_section: tuple[int, ...] = ()
     vision: VisionArch | None = None  # the vision tower of a multimodal model
@@ -61,6 +77,8 @@ class ArchConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
+        attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", architecture in _QWEN2_DECODERS)))
+        sliding_window, sliding_layers = _sliding_window(architecture, cfg)
         return cls(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -74,12 +92,14 @@ class ArchConfig:
             rope_theta=float(_rope_theta(cfg)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama-family configs say so with attention_bias.
-            attention_bias=bool(
-                cfg.get("attention_bias", cfg.get("qkv_bias", architecture in _QWEN2_DECODERS))
-            ),
+            # Qwen2 always has q/k/v biases (and none on o); Llama-family configs say so with attention_bias.
+            attention_bias=attention_bias,
             qk_norm=architecture in _QK_NORM_DECODERS,
             rope_scaling=_rope_scaling(cfg),
+            o_proj_bias=attention_bias and architecture not in _QWEN2_DECODERS,
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
+            attention_sinks=architecture in _SINK_DECODERS,
             mrope_section=_mrope_section(cfg),
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
@@ -99,6 +119,10 @@ _QWEN2_DECODERS = frozenset(
 )
 # Architectures with a per-head RMSNorm on q and k.
 _QK_NORM_DECODERS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+# Architectures with a learned attention sink logit per head.
+_SINK_DECODERS = frozenset({"GptOssForCausalLM"})
+# Architectures whose sliding_window, without layer_types, applies to every layer (transformers' Mistral).
+_ALL_LAYERS_SLIDE = frozenset({"MistralForCausalLM", "MixtralForCausalLM"})
 # transformers' Qwen2Config defaults (the released Qwen2-Audio text_config relies on them).
 _QWEN2_CONFIG_DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
@@ -307,6 +331,23 @@ def _mrope_section(cfg: dict) -> tuple[int, ...]:
     return tuple(int(n) for n in raw.get("mrope_section") or ())
 
 
+def _sliding_window(architecture: str, cfg: dict) -> tuple[int, frozenset[int]]:
+    window = int(cfg.get("sliding_window") or 0)
+    if not window or cfg.get("use_sliding_window") is False:  # Qwen2's configs carry a window not in use
+        return 0, frozenset()
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        layers = frozenset(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    elif architecture in _ALL_LAYERS_SLIDE:
+        layers = frozenset(range(num_layers))
+    elif architecture in _SINK_DECODERS:  # gpt-oss's config class: the even layers when it lists none
+        layers = frozenset(range(0, num_layers, 2))
+    else:
+        layers = frozenset()  # e.g. Qwen2's sliding_window without use_sliding_window: not in effect
+    return (window, layers) if layers else (0, frozenset())
+
+
 def _rope_scaling(cfg: dict) -> RopeScaling | None:
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not raw:
@@ -314,12 +355,26 @@ def _rope_scaling(cfg: dict) -> RopeScaling | None:
     rope_type = raw.get("rope_type") or raw.get("type") or "default"
     if rope_type in ("default", "mrope"):  # M-RoPE: plain frequencies, split over 3 axes (mrope_section)
         return None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3)")
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, yarn)")
+
+    def optional(key: str) -> float | None:
+        return None if raw.get(key) is None else float(raw[key])
+
+    factor = raw.get("factor")
+    original = raw.get("original_max_position_embeddings")
+    if factor is None and rope_type == "yarn" and original:  # transformers' fallback (DeepSeek-V3's configs)
+        factor = int(cfg["max_position_embeddings"]) / int(original)
     return RopeScaling(
         rope_type=rope_type,
-        factor=float(raw.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original or 8192),
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        attention_factor=optional("attention_factor"),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(raw.get("truncate", True)),
     )

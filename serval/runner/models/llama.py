@@ -1,6 +1,7 @@
 """The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
 and their mixture-of-experts forms: Mixtral, Qwen2-MoE, Qwen3-MoE (a sparse MLP, runner/moe.py, in some or
-all layers).
+all layers) and gpt-oss (q/k/v/o biases, a learned attention sink per head, sliding-window attention on
+alternate layers, YaRN RoPE, biased experts with a clamped SwiGLU).
 
 These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
 names and are packed into fused q/k/v and gate/up matrices (and stacked expert matrices) as they load.
@@ -22,6 +23,7 @@ from serval.runner.layers import (
     RMSNorm,
     RopeTables,
     RotaryEmbedding,
+    rope_attention_factor,
     rope_inverse_frequencies,
     small_batch_linear,
 )
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, index: int):
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -42,9 +44,11 @@ class Attention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.window = arch.sliding_window if index in arch.sliding_layers else 0
+        self.sinks = nn.Parameter(torch.zeros(arch.num_heads)) if arch.attention_sinks else None
 
     def forward(
         self,
@@ -63,7 +67,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        # The kernels take the sinks in fp32 whatever the compute dtype (a softmax logit, not a weight).
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, sinks)
         return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
@@ -71,7 +77,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.moe is not None and arch.moe.is_sparse(index):
             self.mlp = SparseMoe(arch.hidden_size, arch.moe)
@@ -135,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
     def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
         arch = self.arch
         inv_freq = rope_inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors)
-        return RotaryEmbedding(arch.head_dim, self.max_positions, inv_freq)
+        return RotaryEmbedding(
+            arch.head_dim, self.max_positions, inv_freq, rope_attention_factor(arch.rope_scaling)
+        )
 
     def forward(
         self,
@@ -222,9 +230,10 @@ class LlamaForCausalLM(nn.Module):
         int8_batch_activations: bool = False,
     ):
         """The native DecodeStack over these layers' weights and caches (computes what forward computes), or
-        None for a mixture of experts. NOTE: the stack knows dense MLPs only; a sparse layer's experts run in
-        one native call each (kernels/moe.cpp), between which the per-layer path costs a few Python calls."""
-        if self.arch.moe is not None:
+        None for a mixture of experts or attention with sinks or an output bias (gpt-oss). NOTE: the stack
+        knows dense MLPs only; a sparse layer's experts run in one native call each (kernels/moe.cpp),
+        between which the per-layer path costs a few Python calls."""
+        if self.arch.moe is not None or self.arch.attention_sinks or self.arch.o_proj_bias:
             return None
         none = torch.empty(0)
 
@@ -253,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
             )
             linears.append([linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
         arch = self.arch
+        windows = [layer.self_attn.window for layer in self.layers]
         return kernels.DecodeStack(
-            layers, linears, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
+            layers, linears, windows, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
             self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
             int8_batch_activations,
         )  # fmt: skip

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-# architecture name -> (module, class). Mistral, Qwen and their MoE forms differ from Llama only in ArchConfig.
+# architecture name -> (module, class). Mistral, Qwen, gpt-oss and the MoE forms differ from Llama only in
+# ArchConfig.
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
@@ -20,6 +21,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "GptOssForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serval.runner.models.qwen2_vl",
