@@ -84,7 +84,7 @@ def _yarn_inverse_frequencies(
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # a ramp of one dim, not a division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp
     return (inv_freq / scaling.factor * (1 - kept) + inv_freq * kept).float()
 
@@ -131,7 +131,9 @@ class RotaryEmbedding(nn.Module):
 
     native_kernel = None  # kernels.rotary_embedding_, set by use_native_kernels
 
-    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0):
+    def __init__(
+        self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0
+    ):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(positions, inv_freq)  # (max_positions, head_dim // 2)

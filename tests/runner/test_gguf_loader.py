@@ -10,12 +10,8 @@ import pytest
 import torch
 
 from serval.model_source import default_model_path
-from serval.runner.loader.gguf import (
-    UnsupportedArchitectureError,
-    hf_tensor_name,
-    iter_gguf_weights,
-    read_gguf_config,
-)
+from serval.runner.loader.gguf import UnsupportedArchitectureError, iter_gguf_weights, read_gguf_config
+from serval.runner.loader.gguf_names import hf_tensor_name
 
 
 @pytest.fixture(scope="module")

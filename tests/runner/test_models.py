@@ -72,6 +72,19 @@ def assert_greedy_matches(engine: Engine, reference, prompts: list[list[int]], m
         assert tokens == out[0, len(prompt) :].tolist()
 
 
+def test_sliding_window_matches_transformers_in_prefill_and_the_decode_stack(tiny_model_factory):
+    # Every layer sees the last 6 positions (Mistral v0.1's config); decodes run in the native DecodeStack.
+    directory, reference = tiny_model_factory("mistral_sliding", False)
+    engine = _engine(directory)
+    assert engine.runner.model.decode_stack is not None
+    assert {layer.self_attn.window for layer in engine.runner.model.layers} == {6}
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (_serval_logits(engine, prompt) - theirs).abs().max().item() < 1e-3
+    assert_greedy_matches(engine, reference, PROMPTS, max_tokens=12)
+
+
 def test_chunked_prefill_and_decode_agree_with_whole_prompt(tiny_model_factory):
     # A budget of 5 tokens per step forces every prompt through several chunks, with decodes in between.
     directory, _ = tiny_model_factory("qwen2", False)

@@ -12,7 +12,7 @@ from serval.engine.engine import Engine
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
-MOE_ARCHITECTURES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+MOE_ARCHITECTURES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 def _sparse_layers(engine: Engine) -> list[SparseMoe]:

@@ -1,16 +1,14 @@
 """Reading a llama.cpp GGUF file as a Hugging Face checkpoint: a config.json-style dict and named weights.
 
 Owns the translation from llama.cpp's conventions to Hugging Face's: metadata keys to config fields, tensor
-names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`; a 3-D `blk.N.ffn_gate_exps.weight`
--> one `model.layers.N.mlp.experts.E.gate_proj.weight` per expert) and, for the llama architecture, undoing
-the converter's reordering of q/k rows. The byte layouts of quantized data live in `dequant.py`.
+names (through gguf_names.py) and, for the llama architecture, undoing the converter's reordering of q/k
+rows. The byte layouts of quantized data live in `dequant.py`.
 Everything downstream of this module sees the same names and values a safetensors checkpoint would give.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import struct
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
@@ -29,6 +27,7 @@ from serval.runner.loader.dequant import (
     is_supported,
 )
 from serval.runner.loader.gguf_file import GGUFFile
+from serval.runner.loader.gguf_names import hf_matrix_names
 from serval.runner.loader.gguf_pack import NativeRepack, packed_from_blocks, unpermute_rows
 from serval.runner.quantization import PackedWeight, sixteen_bit_form
 
@@ -40,6 +39,7 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen3": ("Qwen3ForCausalLM", "qwen3"),
         "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
         "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     }
 )
 # llama.cpp writes Mixtral as llama with experts.
@@ -47,47 +47,13 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the routing weights are renormalized over the chosen experts when the file has no
 # {arch}.expert_weights_norm (llama.cpp's defaults per architecture).
 _RENORMALIZES_BY_DEFAULT = MappingProxyType({"llama": True, "qwen2moe": False, "qwen3moe": True})
+# Architectures whose experts are feed_forward_length wide in Hugging Face's config (intermediate_size).
+_EXPERT_WIDTH_IS_INTERMEDIATE = frozenset({"llama", "gpt-oss"})
+# YaRN's `truncate` (GGUF has no key for it): gpt-oss's config.json says false, transformers' default is true.
+_YARN_TRUNCATES = MappingProxyType({"gpt-oss": False})
 # Architectures whose converter interleaves the two rotary halves of every q/k head
 # (gguf_pack.unpermute_rows undoes it).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
-
-_GLOBAL_NAMES: MappingProxyType[str, str] = MappingProxyType(
-    {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        # Llama 3.1's rope scaling, baked by the converter into one factor per rotary frequency
-        "rope_freqs.weight": "model.rotary_emb.freq_factors",
-    }
-)
-_LAYER_NAMES: MappingProxyType[str, str] = MappingProxyType(
-    {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        # mixtures of experts: the router, and Qwen2-MoE's shared expert and its gate
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-        "ffn_up_shexp": "mlp.shared_expert.up_proj",
-        "ffn_down_shexp": "mlp.shared_expert.down_proj",
-        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    }
-)
-# The experts' 3-D tensors (one matrix per expert), and the per-expert tensors of older Mixtral files
-# (`blk.N.ffn_gate.E.weight`).
-_EXPERT_PARTS: MappingProxyType[str, str] = MappingProxyType(
-    {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-)
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_OLD_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -141,7 +107,7 @@ def _moe_config(reader: GGUFFile, arch: str, num_layers: int, tensor_names: set[
     shared = metadata_value(reader, f"{arch}.expert_shared_feed_forward_length")
     if shared:
         config["shared_expert_intermediate_size"] = shared
-    if arch == "llama":
+    if arch in _EXPERT_WIDTH_IS_INTERMEDIATE:
         config["intermediate_size"] = config["moe_intermediate_size"]
     return config
 
@@ -171,6 +137,8 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
         return {"rope_type": "linear", "factor": _float(factor)}
     if kind == "yarn":
         scaling: dict[str, Any] = {"rope_type": "yarn", "factor": _float(factor)}
+        if arch in _YARN_TRUNCATES:
+            scaling["truncate"] = _YARN_TRUNCATES[arch]
         optional = {
             "original_max_position_embeddings": "original_context_length",
             "beta_fast": "yarn_beta_fast",
@@ -228,7 +196,7 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "vocab_size": vocab_size,
         # llama.cpp writes output.weight only when the head is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names or "blk.0.attn_output.bias" in tensor_names,
         "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -239,6 +207,9 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
     rope_scaling = _rope_scaling(reader, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    sliding_window = metadata_value(reader, f"{arch}.attention.sliding_window")
+    if sliding_window:  # the layers it applies to are the architecture's fact (ArchConfig)
+        config["sliding_window"] = sliding_window
     return config
 
 
@@ -256,36 +227,6 @@ def weight_formats(reader: GGUFFile) -> tuple[str, ...]:
             name = tensor.tensor_type.name
             weights_by_type[name] = weights_by_type.get(name, 0) + int(tensor.n_elements)
     return tuple(sorted(weights_by_type, key=weights_by_type.__getitem__, reverse=True))
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama.cpp tensor name; ValueError for one this loader does not know (or
-    for a 3-D expert tensor, which has one name per expert: hf_matrix_names)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    old_expert = _OLD_EXPERT_TENSOR.fullmatch(gguf_name)
-    if old_expert is not None:
-        layer, part, expert = old_expert.groups()
-        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-
-
-def hf_matrix_names(tensor) -> list[str]:
-    """The Hugging Face names of a tensor's matrices: one per expert of a 3-D `ffn_*_exps` tensor (the
-    checkpoint's per-expert names), else its one name."""
-    match = _LAYER_TENSOR.fullmatch(tensor.name)
-    if match is None or match.group(2) not in _EXPERT_PARTS:
-        return [hf_tensor_name(tensor.name)]
-    layer, part, kind = match.groups()
-    if kind != "weight" or len(tensor.shape) != 3:
-        raise ValueError(f"unexpected expert tensor {tensor.name!r} of shape {tensor.shape} in GGUF file")
-    return [
-        f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PARTS[part]}.weight" for e in range(tensor.shape[2])
-    ]
 
 
 # Matrices of these types are kept as the file stores them (quantization.sixteen_bit_form).
@@ -312,8 +253,10 @@ def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
 def _is_packable_matrix(tensor) -> bool:
     """A matrix (or a 3-D stack of experts' matrices) stored in a block type the quantized kernels run
     packed, or in fp16/bf16."""
-    return len(tensor.shape) in (2, 3) and (
-        tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES
+    return (
+        len(tensor.shape) in (2, 3)
+        and tensor.name.endswith(".weight")
+        and (tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES)
     )
 
 
@@ -365,8 +308,9 @@ def iter_gguf_weights(
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
         heads = heads_of[part] if is_permuted and part in heads_of else None
         packable = packed_forms is not None and _is_packable_matrix(tensor)
-        # A 3-D tensor is one matrix per expert (its data's first axis), each yielded under its own name.
-        stacked = len(matrix_names) > 1 or len(shape) == 3
+        # A 3-D tensor is one matrix per expert (its data's first axis), each yielded under its own name (a
+        # 2-D one of biases, one row per expert).
+        stacked = len(matrix_names) > 1 or len(shape) == 3 or (len(shape) == 2 and "_exps." in tensor.name)
         for index, name in enumerate(matrix_names):
             data, matrix_shape = (tensor.data[index], shape[1:]) if stacked else (tensor.data, shape)
             if packable and name in packed_only:

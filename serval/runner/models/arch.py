@@ -356,7 +356,9 @@ def _rope_scaling(cfg: dict) -> RopeScaling | None:
     if rope_type in ("default", "mrope"):  # M-RoPE: plain frequencies, split over 3 axes (mrope_section)
         return None
     if rope_type not in ("linear", "llama3", "yarn"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, yarn)")
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported (supported: linear, llama3, yarn)"
+        )
 
     def optional(key: str) -> float | None:
         return None if raw.get(key) is None else float(raw[key])

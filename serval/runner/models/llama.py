@@ -344,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
         arch = self.arch
-        experts = self._expert_shards(fused_name)
+        weight_name = fused_name[: -len(".bias")] + ".weight" if fused_name.endswith(".bias") else fused_name
+        experts = self._expert_shards(weight_name)  # a stacked bias has its weight's rows
         if experts is not None:
             return shard * experts[1], experts[1]
         if "qkv_proj" in fused_name:
