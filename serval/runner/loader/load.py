@@ -12,6 +12,7 @@ import torch
 
 from serval.model_source import ModelSource
 from serval.runner.layers import Linear
+from serval.runner.loader.mxfp4_experts import has_mxfp4_experts, iter_mxfp4_checkpoint, mxfp4_expert_types
 from serval.runner.loader.packer import LowBitPacker
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
@@ -73,6 +74,17 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
             block_tensor_types(reader),
         )
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
+    if has_mxfp4_experts(source.path):  # gpt-oss's own checkpoints: experts packed from their MXFP4 blocks
+        expert_types = mxfp4_expert_types(source.path)
+        return Checkpoint(
+            arch,
+            lambda packed_forms=None, packed_only=frozenset(), repack=None: iter_mxfp4_checkpoint(
+                source.path, packed_forms, packed_only, repack
+            ),
+            ("MXFP4", *(f for f in safetensors_formats(source.path) if f != "U8")),  # U8: the blocks
+            frozenset(expert_types),
+            expert_types,
+        )
     return Checkpoint(
         arch,
         lambda packed_forms=None, packed_only=frozenset(), repack=None: iter_safetensors_weights(source.path),
