@@ -47,7 +47,7 @@ CALL = (
 @pytest.fixture(scope="module")
 def model_directory(tmp_path_factory) -> str:
     directory = str(tmp_path_factory.mktemp("tiny-harmony"))
-    write_tiny_model(directory, "llama", harmony=True)
+    write_tiny_model(directory, "gpt_oss", harmony=True)  # gpt-oss itself, tiny
     return directory
 
 
