@@ -1,5 +1,6 @@
-"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers, and the native expert kernel
-(kernels/moe.cpp) against the PyTorch expert path on the same packed weights."""
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) against transformers, the native expert
+kernel (kernels/moe.cpp) against the PyTorch expert path on the same packed weights, and the DecodeStack
+against the layers."""
 
 from __future__ import annotations
 
@@ -101,6 +102,44 @@ def test_packed_experts_run_natively_and_agree_with_the_dense_path(
     # dense path's; int8 x (above, the default) rounds to 2^-7, within the bound but not every near-tie.
     exact = _packed_engine(path, batch_activations="float32")
     assert _greedy(exact, PROMPTS, max_tokens=8) == _greedy(dense, PROMPTS, max_tokens=8)
+
+
+def _q4_0_router_f32(name: str) -> GGMLQuantizationType:
+    # The routers F32 as llama.cpp's converter keeps them (a quantized router takes the layer-by-layer path).
+    return GGMLQuantizationType.F32 if ".ffn_gate_inp." in name else GGMLQuantizationType.Q4_0
+
+
+@pytest.mark.parametrize("batch_activations", ["int8", "float32"])
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_decode_stack_computes_what_the_sparse_layers_compute(
+    tiny_model_factory, tmp_path, architecture, batch_activations
+):
+    # The native DecodeStack runs the sparse layers too (the router, moe_experts; gpt-oss's sinks, window
+    # and output bias): one decode step through it and through the Python layers, bit for bit.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+    from tests.runner.test_quantized import _decode_logits_both_ways
+
+    _, reference = tiny_model_factory(architecture, False)
+    path = str(tmp_path / f"{architecture}.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), _q4_0_router_f32)
+    engine = _packed_engine(path, batch_activations)
+    if engine.runner.kernel_variant == "none":
+        pytest.skip("no native kernels on this machine")
+    assert engine.runner.model.decode_stack is not None
+    stacked, layered = _decode_logits_both_ways(engine, PROMPTS)
+    assert torch.equal(stacked, layered)
+
+
+def test_a_shared_expert_keeps_the_layer_by_layer_decode(tiny_model_factory, tmp_path):
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory("qwen2_moe", False)
+    path = str(tmp_path / "qwen2_moe.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), _q4_0_router_f32)
+    engine = _packed_engine(path)
+    if engine.runner.kernel_variant == "none":
+        pytest.skip("no native kernels on this machine")
+    assert engine.runner.model.decode_stack is None  # the stack has no shared expert
 
 
 # (batch activations, bound relative to the largest output): x rounded to int16 per block (2^-15 of its

@@ -45,7 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: each variant's module binds its own DecodeStack, and a process can load several (the tests).
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<at::Tensor>>&,
-                          const std::vector<std::vector<std::vector<at::Tensor>>>&, const std::vector<int64_t>&,
+                          const std::vector<std::vector<std::vector<at::Tensor>>>&,
+                          const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<double>>&,
+                          const std::vector<int64_t>&,
                           int64_t, int64_t, int64_t,
                           int64_t, double, double, int64_t, int64_t, bool>())
       .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x", release());

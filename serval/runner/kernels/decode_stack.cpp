@@ -6,8 +6,14 @@
 //
 // It computes exactly what the Python path (models/llama.py with the native kernels) computes: the same
 // kernels, rounding to the compute dtype at the same points, the residual stream in fp32. A test compares
-// the two bit for bit.
+// the two bit for bit. A sparse layer (runner/moe.py with its native kernels) routes as SparseMoe.route
+// does, with the same ATen ops, and runs moe_experts; attention may have an output bias, sink logits and a
+// window (gpt-oss).
 #include "decode_stack.h"
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sort.h>
+#include <optional>
+
 #include "common.h"
 
 namespace {
@@ -68,11 +74,39 @@ LinearWeights linear_weights(const std::vector<at::Tensor>& t, int64_t max_quant
   return w;
 }
 
+// A sparse layer's router and routed experts, as SparseMoe hands them to its kernels (runner/moe.py).
+struct ExpertWeights {
+  at::Tensor router, router_bias;  // (num_experts, hidden) fp32; (num_experts,) fp32 or undefined
+  std::vector<at::Tensor> gate, up, down;  // the stacks' [codes, scales, offsets, super_scales]
+  at::Tensor gate_bias, up_bias, down_bias;  // fp32 or empty
+  int64_t num_experts = 0, inter = 0, top_k = 0, activation = 0;
+  bool renormalize = false;
+  double alpha = 0, limit = 0;
+};
+
+// t: [router, router_bias, 4 gate, 4 up, 4 down tensors, gate_bias, up_bias, down_bias]; p: [num_experts,
+// inter, top_k, renormalize, activation, alpha, limit].
+ExpertWeights expert_weights(const std::vector<at::Tensor>& t, const std::vector<double>& p) {
+  TORCH_CHECK(t.size() == 17 && p.size() == 7, "a sparse layer: 17 tensors and 7 numbers");
+  ExpertWeights e{t[0], optional(t[1]), {t[2], t[3], t[4], t[5]}, {t[6], t[7], t[8], t[9]},
+                  {t[10], t[11], t[12], t[13]}, t[14], t[15], t[16]};
+  e.num_experts = static_cast<int64_t>(p[0]);
+  e.inter = static_cast<int64_t>(p[1]);
+  e.top_k = static_cast<int64_t>(p[2]);
+  e.renormalize = p[3] != 0;
+  e.activation = static_cast<int64_t>(p[4]);
+  e.alpha = p[5];
+  e.limit = p[6];
+  return e;
+}
+
 struct LayerWeights {
   at::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;
-  LinearWeights qkv, o, gate_up, down;
+  LinearWeights qkv, o, gate_up, down;  // gate_up and down: a dense layer's
   at::Tensor k_cache, v_cache;  // (num_slots, num_kv_heads, head_dim)
   int64_t window;  // paged_decode_attention's
+  at::Tensor o_bias, sinks;  // undefined: none; sinks fp32, one per query head
+  std::optional<ExpertWeights> experts;  // a sparse layer's
 };
 
 }  // namespace
@@ -81,21 +115,28 @@ class DecodeStack::Layers {
  public:
   // As DecodeStack takes them (decode_stack.h).
   Layers(const std::vector<std::vector<at::Tensor>>& layers,
-         const std::vector<std::vector<std::vector<at::Tensor>>>& linears, const std::vector<int64_t>& windows,
-         int64_t num_heads, int64_t num_kv_heads,
+         const std::vector<std::vector<std::vector<at::Tensor>>>& linears,
+         const std::vector<std::vector<at::Tensor>>& experts, const std::vector<std::vector<double>>& expert_params,
+         const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
          int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
          int64_t max_small_batch_rows, bool int8_batch_activations)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
-        eps_(eps), scale_(scale) {
-    TORCH_CHECK(layers.size() == linears.size() && layers.size() == windows.size(),
-                "one list of linear layers and one window per layer");
+        eps_(eps), scale_(scale), int8_batch_activations_(int8_batch_activations) {
+    TORCH_CHECK(layers.size() == linears.size() && layers.size() == windows.size() &&
+                layers.size() == experts.size() && layers.size() == expert_params.size(),
+                "per layer: its tensors, linear layers, experts and window");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
-      TORCH_CHECK(t.size() == 7 && linears[i].size() == 4, "each layer: 7 tensors and 4 linear layers");
-      auto linear = [&](int64_t j) { return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations);
+      const bool sparse = !experts[i].empty();
+      TORCH_CHECK(t.size() == 9 && linears[i].size() == (sparse ? 2u : 4u),
+                  "each layer: 9 tensors and 4 linear layers (2 in a sparse layer)");
+      auto linear = [&](size_t j) {
+        if (j >= linears[i].size()) return LinearWeights{};
+        return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations);
       };
       layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(0), linear(1),
-                         linear(2), linear(3), t[5], t[6], windows[i]});
+                         linear(2), linear(3), t[5], t[6], windows[i], optional(t[7]), optional(t[8])});
+      if (sparse) layers_.back().experts = expert_weights(experts[i], expert_params[i]);
     }
   }
 
@@ -128,11 +169,29 @@ class DecodeStack::Layers {
     write_kv(w, k, v, slots);
     const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
     auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
-                                       block_tables, context_lens, scale_, w.window, at::Tensor());
+                                       block_tables, context_lens, scale_, w.window, w.sinks);
+    x.add_(w.o(attn.view({rows, q_size}), w.o_bias));
+    const auto h = rms_norm(x, w.post_norm, eps_);
+    if (w.experts) {
+      x.add_(run_experts(*w.experts, h));
+      return;
+    }
     const at::Tensor no_bias;
-    x.add_(w.o(attn.view({rows, q_size}), no_bias));
-    auto gate_up = w.gate_up(rms_norm(x, w.post_norm, eps_), no_bias);
-    x.add_(w.down(silu_mul(gate_up), no_bias));
+    x.add_(w.down(silu_mul(w.gate_up(h, no_bias)), no_bias));
+  }
+
+  // SparseMoe.forward with its native kernels: softmax over the router's logits, the top k by a stable sort
+  // (ties to the lower id), renormalized when the family says, then the experts.
+  at::Tensor run_experts(const ExpertWeights& e, const at::Tensor& h) const {
+    auto logits = router_logits(h, e.router);
+    if (e.router_bias.defined()) logits = logits.add(e.router_bias);
+    const auto probs = at::softmax(logits, -1);
+    const auto [sorted, order] = at::sort(probs, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+    auto weights = sorted.narrow(1, 0, e.top_k);
+    const auto ids = order.narrow(1, 0, e.top_k);
+    if (e.renormalize) weights = weights.div(weights.sum(-1, /*keepdim=*/true));
+    return moe_experts(h, ids, weights, e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias, e.num_experts,
+                       e.inter, h.size(1), e.activation, e.alpha, e.limit, int8_batch_activations_);
   }
 
   // The new tokens' K and V rows into their cache slots (a row copy each; index_copy_ costs more per call).
@@ -157,14 +216,17 @@ class DecodeStack::Layers {
   std::vector<LayerWeights> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_, block_size_;
   double eps_, scale_;
+  bool int8_batch_activations_;
 };
 
 DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
                          const std::vector<std::vector<std::vector<at::Tensor>>>& linears,
+                         const std::vector<std::vector<at::Tensor>>& experts,
+                         const std::vector<std::vector<double>>& expert_params,
                          const std::vector<int64_t>& windows, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
                          int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations)
-    : layers_(std::make_shared<Layers>(layers, linears, windows, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
+    : layers_(std::make_shared<Layers>(layers, linears, experts, expert_params, windows, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
                                        max_quantized_rows, max_small_batch_rows, int8_batch_activations)) {}
 
 void DecodeStack::forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor context_lens,

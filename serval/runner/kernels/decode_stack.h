@@ -9,10 +9,15 @@ class DecodeStack {
  public:
   // layers: per layer [input_norm, qkv_bias, q_norm, k_norm, post_norm, k_cache, v_cache] (an empty tensor
   // stands for an absent bias or q/k norm), and linears: per layer the tensors of qkv, o, gate_up and down,
-  // each [weight, then codes, scales, offsets, super_scales of each packed part]; windows: per layer, the
-  // positions a query sees (0: its whole context; sliding-window layers).
+  // each [weight, then codes, scales, offsets, super_scales of each packed part]; layers also end with
+  // [o_bias, sinks] (empty: none). A sparse layer has only qkv and o among its linears, and its experts
+  // [router, router_bias, the gate, up and down stacks' 4 tensors each, their 3 biases] with expert_params
+  // [num_experts, inter, top_k, renormalize, activation, alpha, limit]; a dense layer's are empty. windows:
+  // per layer, the positions a query sees (0: its whole context; sliding-window layers).
   DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
               const std::vector<std::vector<std::vector<at::Tensor>>>& linears,
+              const std::vector<std::vector<at::Tensor>>& experts,
+              const std::vector<std::vector<double>>& expert_params,
               const std::vector<int64_t>& windows, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
               int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations);

@@ -28,6 +28,7 @@ from serval.runner.layers import (
     small_batch_linear,
 )
 from serval.runner.models.arch import ArchConfig
+from serval.runner.models.decode_stack import make_decode_stack
 from serval.runner.moe import SparseMoe, expert_shards, expert_weight_target, split_fused_experts
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
-        self.decode_stack = self.make_decode_stack(kernels, kv_caches, block_size, int8_batch_activations)
+        self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP
@@ -221,53 +222,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.all_reduce = all_reduce
         self.decode_stack = None
-
-    def make_decode_stack(
-        self,
-        kernels,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int,
-        int8_batch_activations: bool = False,
-    ):
-        """The native DecodeStack over these layers' weights and caches (computes what forward computes), or
-        None for a mixture of experts or attention with sinks or an output bias (gpt-oss). NOTE: the stack
-        knows dense MLPs only; a sparse layer's experts run in one native call each (kernels/moe.cpp),
-        between which the per-layer path costs a few Python calls."""
-        if self.arch.moe is not None or self.arch.attention_sinks or self.arch.o_proj_bias:
-            return None
-        none = torch.empty(0)
-
-        def linear(module: Linear) -> list[torch.Tensor]:
-            packed = module.packed if module.quantized_kernel is not None else None
-            parts = [] if packed is None else packed.parts
-            return [
-                module.weight,
-                *(t for p in parts for t in (p.codes, p.scales, p.offsets, p.super_scales)),
-            ]
-
-        layers, linears = [], []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_bias = attn.qkv_proj.bias
-            layers.append(
-                [
-                    layer.input_layernorm.weight,
-                    none if qkv_bias is None else qkv_bias,
-                    none if attn.q_norm is None else attn.q_norm.weight,
-                    none if attn.k_norm is None else attn.k_norm.weight,
-                    layer.post_attention_layernorm.weight,
-                    k_cache,
-                    v_cache,
-                ]
-            )
-            linears.append([linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
-        arch = self.arch
-        windows = [layer.self_attn.window for layer in self.layers]
-        return kernels.DecodeStack(
-            layers, linears, windows, arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, arch.rms_norm_eps,
-            self.layers[0].self_attn.scale, packed_rows_limit(kernels), Linear.MAX_KERNEL_ROWS,
-            int8_batch_activations,
-        )  # fmt: skip
 
     def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
         """Where a checkpoint tensor goes: (our parameter's name, shard of a fused matrix or None), or None
