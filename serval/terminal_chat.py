@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
@@ -176,6 +177,11 @@ def chat(
     if is_terminal:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - line editing and history for input()
+        # Ctrl+C stops an answer, whatever SIGINT's inherited disposition: a process started in the
+        # background by a non-interactive shell (`cmd &` in a script, a test run) inherits SIGINT ignored, and
+        # Python then installs no KeyboardInterrupt handler, so the interrupt was lost and the answer ran on.
+        with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): leave it
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def read_line(prompt: str) -> str:
         if is_terminal:

@@ -128,11 +128,22 @@ def test_a_bad_key_is_one_clear_line(keyed_server, command):
     assert result.stderr.strip() == f"serval {command}: error: 401: invalid API key"
 
 
+# `serval chat` exec'd with SIGINT ignored (an ignored disposition survives exec; the pid stays the same).
+SERVAL_SIGINT_IGNORED = [
+    sys.executable, "-c", ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+    " os.execv(sys.executable, [sys.executable, '-m', 'serval.cli', *sys.argv[1:]])"),
+]  # fmt: skip
+
+
 def test_chat_on_a_terminal_and_ctrl_c_stops_an_answer(keyed_server):
+    # The chat starts with SIGINT ignored, as anything started in the background by a non-interactive shell
+    # does (a suite run as `make test &`): Python then installs no KeyboardInterrupt handler, and before the
+    # chat installed its own, Ctrl+C was lost and the answer ran on to its 1,000 tokens.
     primary, secondary = os.openpty()
     process = subprocess.Popen(
-        [*SERVAL, "chat", "--url", keyed_server.base_url, "--api-key", KEYED_API_KEY, "--max-tokens", "1000",
-         "--temperature", "0"], stdin=secondary, stdout=secondary, stderr=secondary, env={**os.environ, "TERM": "dumb"},
+        [*SERVAL_SIGINT_IGNORED, "chat", "--url", keyed_server.base_url, "--api-key", KEYED_API_KEY,
+         "--max-tokens", "1000", "--temperature", "0"], stdin=secondary, stdout=secondary, stderr=secondary,
+        env={**os.environ, "TERM": "dumb"},
     )  # fmt: skip
     os.close(secondary)
     screen = Terminal(primary)
