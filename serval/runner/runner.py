@@ -46,6 +46,10 @@ class RunnerInfo:
     batch_activations: str = "float32"
     num_threads: int = 1  # per rank under tensor parallelism
     tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)
+    # An embedding model's pooling (runner/pooling.py: "lasttoken", "mean", "cls", "max") and whether its
+    # vectors are L2-normalized; None: a generative model.
+    pooling: str | None = None
+    normalizes_embeddings: bool = False
 
     @property
     def kv_cache_tokens(self) -> int:
