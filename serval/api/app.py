@@ -1,7 +1,8 @@
 """build_app: the FastAPI app, assembled from its route modules and middleware.
 
 Owns the assembly only: one ServerContext (config, Frontend, metrics) shared by the route modules
-(generation_routes.py: chat and completions; responses_routes.py: OpenAI's Responses API; info_routes.py: models, tokenize, metrics, version;
+(generation_routes.py: chat and completions; responses_routes.py: OpenAI's Responses API; anthropic_routes.py: Anthropic's Messages API;
+info_routes.py: models, tokenize, metrics, version;
 lora_routes.py: adapters at run time; playground_routes.py: the web page at /), the error handlers (errors.py: every failure in the OpenAI error
 shape), and the middleware in order: status counting, CORS when configured (cors.py), API keys, the shutdown
 gate. Everything the app needs comes in through build_app; there is no module state.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from serval.api.anthropic_routes import PATHS as ANTHROPIC_PATHS
+from serval.api.anthropic_routes import add_anthropic_routes
 from serval.api.auth import OPEN_PATHS, APIKeyAuth
 from serval.api.context import ServerContext
 from serval.api.cors import CORS
@@ -38,6 +41,7 @@ ROUTES = frozenset(
         "/metrics",
         "/version",
         *RESPONSES_PATHS,
+        *ANTHROPIC_PATHS,
         *ADMIN_PATHS,
         *PLAYGROUND_PATHS,
     }
@@ -50,6 +54,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     install_error_handlers(app)
     add_generation_routes(app, ctx)
     add_responses_routes(app, ctx)
+    add_anthropic_routes(app, ctx)
     add_info_routes(app, ctx)
     add_lora_routes(app, config, frontend)
     add_playground_routes(app)

@@ -31,7 +31,8 @@ from serval.api.metrics import RequestObserver
 from serval.api.openai import ChatCompletionRequest, CompletionRequest
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
-from serval.serving.chat import ChatPrompt
+from serval.sampling import SamplingParams
+from serval.serving.chat import ChatOptions, ChatPrompt
 from serval.serving.generation import GenerationRequest
 from serval.serving.stream import Completion
 
@@ -108,12 +109,12 @@ async def respond(
         return Response(status_code=STATUS_CLIENT_GONE)
 
 
-async def chat_generation(
-    ctx: ServerContext, chat: ChatCompletionRequest, model: str, request_id: str
-) -> GenerationRequest:
-    """A parsed chat request (the model checked) as a planned GenerationRequest: every check of the chat
-    route, in its order. The Responses and Messages routes translate their requests into a chat request and
-    come through here, so the three cannot drift apart."""
+def chat_parts(
+    ctx: ServerContext, chat: ChatCompletionRequest, model: str
+) -> tuple[ChatPrompt, ChatOptions, SamplingParams]:
+    """A parsed chat request (the model checked) as native values: every check of the chat route, in its
+    order. The Responses and Messages routes translate their requests into a chat request and come through
+    here, so the three cannot drift apart."""
     frontend = ctx.frontend
     ctx.check_generates()
     req.check_chat_features(chat)
@@ -134,7 +135,15 @@ async def chat_generation(
         cache_spans=chat_messages.cache_spans(chat.messages),
         media=media,
     )
-    return await frontend.chat_request(request_id, prompt, options, params, ctx.lora_of(model))
+    return prompt, options, params
+
+
+async def chat_generation(
+    ctx: ServerContext, chat: ChatCompletionRequest, model: str, request_id: str
+) -> GenerationRequest:
+    """chat_parts, rendered and planned by serving: the GenerationRequest to run."""
+    prompt, options, params = chat_parts(ctx, chat, model)
+    return await ctx.frontend.chat_request(request_id, prompt, options, params, ctx.lora_of(model))
 
 
 def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:

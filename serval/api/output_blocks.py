@@ -8,6 +8,7 @@ blocks from one delta holding the whole choice (`whole_choice`), so the two shap
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,6 +83,11 @@ class BlockSplitter:
             return []
         block, self.open = self.open, None
         return [BlockEvent("stop", block)]
+
+
+def new_id(prefix: str) -> str:
+    """An object's id in both vendors' style: resp_..., msg_..., fc_..."""
+    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def whole_choice(choice: ChoiceResult) -> ChoiceDelta:

@@ -22,10 +22,10 @@ from serval.api.context import ServerContext
 from serval.api.errors import APIError, from_serving, shown
 from serval.api.generation_routes import chat_generation, respond
 from serval.api.metrics import RequestObserver
-from serval.api.output_blocks import whole_choice
+from serval.api.output_blocks import new_id, whole_choice
 from serval.api.responses_request import chat_request, renamed
 from serval.api.responses_store import ResponseStore
-from serval.api.responses_stream import ResponseAssembler, new_id, stream_response
+from serval.api.responses_stream import ResponseAssembler, stream_response
 from serval.serving.errors import ServingError
 from serval.serving.stream import Completion
 

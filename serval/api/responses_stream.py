@@ -12,20 +12,15 @@ non-streaming answer is the same assembler fed the whole choice at once.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serval.api.agent_schemas import ResponsesRequest
 from serval.api.errors import APIError, from_serving
-from serval.api.output_blocks import Block, BlockEvent, BlockSplitter
+from serval.api.output_blocks import Block, BlockEvent, BlockSplitter, new_id
 from serval.serving.stream import ChoiceDelta, Event, Usage
 
 _PREFIXES = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

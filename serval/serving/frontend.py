@@ -225,6 +225,24 @@ class Frontend:
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 
+    async def count_chat_tokens(self, prompt: ChatPrompt, options: ChatOptions) -> int:
+        """How many tokens the chat prompt is, its tools shown as a chat request would show them (no grammar
+        is compiled); media parts (checked by check_media) are loaded to count their runs."""
+        items: list[MediaItem] = []
+        if prompt.media:
+            assert self.media_processor is not None, "check_media refuses media without a processor"
+            items = await self.media.load(prompt.media, self.media_processor)
+        messages, tools, spans = prepare_messages(
+            prompt.messages, options, self.tool_format, self.template_source, prompt.cache_spans
+        )
+        _, (token_ids, _, _) = await self.text_threads.run(
+            num_message_chars(messages),
+            self._render_and_encode,
+            messages, items, prompt.add_generation_prompt, prompt.continue_final_message, tools,
+            prompt.template_kwargs, spans,
+        )  # fmt: skip
+        return len(token_ids)
+
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], media: tuple[MediaPart, ...] = (), **kwargs: Any
     ) -> list[int]:
