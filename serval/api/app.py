@@ -2,6 +2,7 @@
 
 Owns the assembly only: one ServerContext (config, Frontend, metrics) shared by the route modules
 (generation_routes.py: chat and completions; responses_routes.py: OpenAI's Responses API; anthropic_routes.py: Anthropic's Messages API;
+embeddings_routes.py: /v1/embeddings;
 info_routes.py: models, tokenize, metrics, version;
 lora_routes.py: adapters at run time; playground_routes.py: the web page at /), the error handlers (errors.py: every failure in the OpenAI error
 shape), and the middleware in order: status counting, CORS when configured (cors.py), API keys, the shutdown
@@ -17,6 +18,8 @@ from serval.api.anthropic_routes import add_anthropic_routes
 from serval.api.auth import OPEN_PATHS, APIKeyAuth
 from serval.api.context import ServerContext
 from serval.api.cors import CORS
+from serval.api.embeddings_routes import PATHS as EMBEDDINGS_PATHS
+from serval.api.embeddings_routes import add_embeddings_routes
 from serval.api.errors import install_error_handlers
 from serval.api.generation_routes import add_generation_routes
 from serval.api.info_routes import add_info_routes
@@ -42,6 +45,7 @@ ROUTES = frozenset(
         "/version",
         *RESPONSES_PATHS,
         *ANTHROPIC_PATHS,
+        *EMBEDDINGS_PATHS,
         *ADMIN_PATHS,
         *PLAYGROUND_PATHS,
     }
@@ -55,6 +59,7 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     add_generation_routes(app, ctx)
     add_responses_routes(app, ctx)
     add_anthropic_routes(app, ctx)
+    add_embeddings_routes(app, ctx)
     add_info_routes(app, ctx)
     add_lora_routes(app, config, frontend)
     add_playground_routes(app)
