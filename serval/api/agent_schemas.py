@@ -35,7 +35,10 @@ class ResponsesRequest(Schema):
     previous_response_id: str | None = None
     metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_KEYS)] | None = None
     user: str | None = None
-    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None  # not OpenAI's here; vLLM's extension
+    # Not OpenAI's: serval's extensions, as on chat requests (seeded sampling; reasoning tokens before the
+    # end of thinking is forced).
+    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
+    thinking_budget: Annotated[int, Field(ge=1)] | None = None
     # Accepted and refused by name when set (responses_request.py): what serval cannot provide.
     background: bool | None = None
     include: list[str] | None = None

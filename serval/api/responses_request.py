@@ -275,7 +275,8 @@ def chat_request(
         "max_tokens": request.max_output_tokens, "temperature": request.temperature, "top_p": request.top_p,
         "tools": tools or None, "tool_choice": _tool_choice(request.tool_choice),
         "parallel_tool_calls": request.parallel_tool_calls, "response_format": _response_format(request.text),
-        "user": request.user, "seed": request.seed, **_template_fields(request.reasoning),
+        "user": request.user, "seed": request.seed,
+        "thinking_budget": request.thinking_budget, **_template_fields(request.reasoning),
     }  # fmt: skip
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
