@@ -24,6 +24,7 @@ from serval.cli_options import (
     add_media_options,
     add_parallel_options,
     add_replica_options,
+    add_responses_store_options,
     byte_size,
 )
 from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -105,6 +106,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the tool-call format (default auto: from the chat template, else hermes)",
     )
     add_grammar_options(p)
+    add_responses_store_options(p)
     add_parallel_options(p)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add_cors_options(p)
@@ -183,7 +185,8 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
          "grammar_compile_workers": "grammar_compile_workers",
          "allowed_local_media_path": "allowed_local_media_path",
          "max_concurrent_media_fetches": "max_concurrent_media_fetches",
-         "media_fetch_timeout": "media_fetch_timeout"},
+         "media_fetch_timeout": "media_fetch_timeout",
+         "responses_store_size": "responses_store_size", "responses_store_max_age": "responses_store_max_age"},
     )  # fmt: skip
     fields["allowed_media_domains"] = tuple(options.get("allowed_media_domains") or ())
     fields["served_model_names"] = tuple(options.get("served_model_name") or (default_model_name,))

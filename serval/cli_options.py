@@ -128,6 +128,23 @@ def add_grammar_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_responses_store_options(p: argparse.ArgumentParser) -> None:
+    """The Responses API's store (api/responses_store.py): off unless given a size."""
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        metavar="N",
+        help="keep the last N responses in memory for GET /v1/responses/{id} and previous_response_id "
+        "(default 0: off; store and previous_response_id are then refused)",
+    )
+    p.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        metavar="SECONDS",
+        help="forget a stored response this long after it was made (default 3600)",
+    )
+
+
 def add_replica_options(p: argparse.ArgumentParser) -> None:
     """Replicas on Ray Serve (serval/cluster/, docs/deploy/replicas.md)."""
     p.add_argument(

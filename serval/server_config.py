@@ -121,6 +121,10 @@ class ServerConfig:
     max_concurrent_media_fetches: int = 8
     media_fetch_timeout: float = 60.0
     log_level: str = "info"
+    # The Responses API's store (api/responses_store.py): how many responses are kept for GET and
+    # previous_response_id, and for how many seconds. 0: off (store: true and previous_response_id are 400s).
+    responses_store_size: int = 0
+    responses_store_max_age: float = 3600.0
     # Cross-origin access for browsers; None: off (no CORS headers; a preflight is an OPTIONS request like
     # any other: 405, or 401 without a key when keys are configured).
     cors: CorsConfig | None = None
@@ -160,6 +164,10 @@ class ServerConfig:
             )
         if not 0 < self.media_fetch_timeout < float("inf"):
             raise ValueError(f"media_fetch_timeout must be positive, got {self.media_fetch_timeout}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if not self.responses_store_max_age > 0:
+            raise ValueError(f"responses_store_max_age must be positive, got {self.responses_store_max_age}")
         if any(not d or "/" in d or "," in d or d != d.strip() for d in self.allowed_media_domains):
             raise ValueError(
                 f"allowed media domains must be bare host names, got {self.allowed_media_domains}"

@@ -1,7 +1,9 @@
 """build_app: the FastAPI app, assembled from its route modules and middleware.
 
 Owns the assembly only: one ServerContext (config, Frontend, metrics) shared by the route modules
-(generation_routes.py: chat and completions; info_routes.py: models, tokenize, metrics, version;
+(generation_routes.py: chat and completions; responses_routes.py: OpenAI's Responses API; anthropic_routes.py: Anthropic's Messages API;
+embeddings_routes.py: /v1/embeddings;
+info_routes.py: models, tokenize, metrics, version;
 lora_routes.py: adapters at run time; playground_routes.py: the web page at /), the error handlers (errors.py: every failure in the OpenAI error
 shape), and the middleware in order: status counting, CORS when configured (cors.py), API keys, the shutdown
 gate. Everything the app needs comes in through build_app; there is no module state.
@@ -11,9 +13,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from serval.api.anthropic_routes import PATHS as ANTHROPIC_PATHS
+from serval.api.anthropic_routes import add_anthropic_routes
 from serval.api.auth import OPEN_PATHS, APIKeyAuth
 from serval.api.context import ServerContext
 from serval.api.cors import CORS
+from serval.api.embeddings_routes import PATHS as EMBEDDINGS_PATHS
+from serval.api.embeddings_routes import add_embeddings_routes
 from serval.api.errors import install_error_handlers
 from serval.api.generation_routes import add_generation_routes
 from serval.api.info_routes import add_info_routes
@@ -21,6 +27,8 @@ from serval.api.lora_routes import ADMIN_PATHS, add_lora_routes
 from serval.api.metrics import StatusCounter
 from serval.api.playground_routes import PATHS as PLAYGROUND_PATHS
 from serval.api.playground_routes import add_playground_routes
+from serval.api.responses_routes import PATHS as RESPONSES_PATHS
+from serval.api.responses_routes import add_responses_routes
 from serval.api.shutdown import DrainGate
 from serval.server_config import ServerConfig
 from serval.serving.frontend import Frontend
@@ -35,6 +43,9 @@ ROUTES = frozenset(
         "/detokenize",
         "/metrics",
         "/version",
+        *RESPONSES_PATHS,
+        *ANTHROPIC_PATHS,
+        *EMBEDDINGS_PATHS,
         *ADMIN_PATHS,
         *PLAYGROUND_PATHS,
     }
@@ -46,6 +57,9 @@ def build_app(config: ServerConfig, frontend: Frontend) -> FastAPI:
     ctx = ServerContext.build(config, frontend)
     install_error_handlers(app)
     add_generation_routes(app, ctx)
+    add_responses_routes(app, ctx)
+    add_anthropic_routes(app, ctx)
+    add_embeddings_routes(app, ctx)
     add_info_routes(app, ctx)
     add_lora_routes(app, config, frontend)
     add_playground_routes(app)

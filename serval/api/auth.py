@@ -1,4 +1,4 @@
-"""API-key authentication: `Authorization: Bearer <key>` on every route but the open ones (/health, and the
+"""API-key authentication: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the open ones (/health, and the
 playground's page and assets, given by build_app), and admin keys on the admin routes (run-time LoRA
 loading). Open paths are exact: nothing below one is open.
 
@@ -16,21 +16,26 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serval.api.errors import error_body
+from serval.api.errors import error_payload
 
 OPEN_PATHS = frozenset({"/health"})
 
 
-def is_authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
-    if header is None:
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request presents: the bearer token, else x-api-key (what Anthropic's SDK sends)."""
+    if authorization is not None:
+        scheme, _, token = authorization.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    return None if x_api_key is None else x_api_key.strip()
+
+
+def is_authorized(key: str | None, api_keys: tuple[str, ...]) -> bool:
+    if key is None:
         return False
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    presented = token.strip().encode()
+    presented = key.encode()
     matched = False
-    for key in api_keys:
-        matched |= hmac.compare_digest(presented, key.encode())
+    for api_key in api_keys:
+        matched |= hmac.compare_digest(presented, api_key.encode())
     return matched
 
 
@@ -53,32 +58,37 @@ class APIKeyAuth:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = None
+        found: dict[bytes, str] = {}
         for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value.decode("latin-1")
-                break
+            if name in (b"authorization", b"x-api-key") and name not in found:
+                found[name] = value.decode("latin-1")
+        header = presented_key(found.get(b"authorization"), found.get(b"x-api-key"))
+        path = scope["path"]
         if scope["path"] in self.admin_paths:
             if not (self.api_keys or self.admin_keys) or is_authorized(header, self.admin_keys):
                 await self.app(scope, receive, send)
             elif is_authorized(header, self.api_keys):
                 await _refuse(
-                    send, 403, "this route needs an admin key (--admin-api-key)", "admin_key_required"
+                    send, path, 403, "this route needs an admin key (--admin-api-key)", "admin_key_required"
                 )
             else:
-                await _refuse(send, 401, _why(header), "invalid_api_key")
+                await _refuse(send, path, 401, _why(header), "invalid_api_key")
         elif not self.api_keys or is_authorized(header, self.api_keys + self.admin_keys):
             await self.app(scope, receive, send)
         else:
-            await _refuse(send, 401, _why(header), "invalid_api_key")
+            await _refuse(send, path, 401, _why(header), "invalid_api_key")
 
 
-def _why(header: str | None) -> str:
-    return "missing API key: send Authorization: Bearer <key>" if header is None else "invalid API key"
+def _why(key: str | None) -> str:
+    return (
+        "missing API key: send Authorization: Bearer <key> (or x-api-key)"
+        if key is None
+        else "invalid API key"
+    )
 
 
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
+async def _refuse(send: Send, path: str, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_payload(path, status, message, None, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -58,6 +58,21 @@ class ServerContext:
             raise APIError(404, f"the model {shown(name)} does not exist here", "model", "model_not_found")
         return name or self.config.model_name
 
+    @property
+    def is_embedding_model(self) -> bool:
+        return self.frontend.runner_info.pooling is not None
+
+    def check_generates(self) -> None:
+        """A 400 for a generation route when the served model is an embedding model (it has no head)."""
+        if self.is_embedding_model:
+            raise APIError(
+                400,
+                f"the model {shown(self.config.model_name)} is an embedding model: it serves /v1/embeddings "
+                "only",
+                "model",
+                "model_not_generative",
+            )
+
     def lora_of(self, model: str) -> str | None:
         """The LoRA adapter a (checked) model name means; None for the base model."""
         return None if model in self.config.served_model_names else model

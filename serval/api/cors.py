@@ -15,7 +15,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serval.api.errors import error_body
+from serval.api.errors import error_payload
 from serval.server_config import SAFELISTED_HEADERS, CorsConfig
 
 PREFLIGHT_MAX_AGE_S = 600  # browsers cache a grant this long (Chromium caps it at 7200)
@@ -92,7 +92,7 @@ class CORS:
             await send({"type": "http.response.start", "status": 204, "headers": headers})
             await send({"type": "http.response.body", "body": b""})
             return
-        body = json.dumps(error_body(403, refusal, None, "cors_not_allowed")).encode()
+        body = json.dumps(error_payload(scope["path"], 403, refusal, None, "cors_not_allowed")).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -1,5 +1,6 @@
-"""OpenAI-shaped error bodies, and the handlers that give every failure one: {"error": {message, type, param,
-code}}.
+"""Error bodies, and the handlers that give every failure one: OpenAI's {"error": {message, type, param, code}}
+everywhere but on Anthropic's routes (/v1/messages...), which answer Anthropic's {"type": "error", "error":
+{type, message}} (the path decides: `error_payload`).
 
 Owns the mapping from what went wrong to a status: a malformed or invalid request is a 400 (FastAPI's 422 is
 turned into 400, as OpenAI answers), an unknown model or adapter 404, a missing key 401 (a non-admin key on an
@@ -46,6 +47,23 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its "Errors" page); 529 overloaded has no counterpart here.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"  # the Messages API's routes: /v1/messages and /v1/messages/count_tokens
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -81,8 +99,24 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    body = error_body(error.status_code, error.message, error.param, error.code)
+def anthropic_error_body(status_code: int, message: str) -> dict:
+    error_type = _ANTHROPIC_TYPES.get(
+        status_code, "api_error" if status_code >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_payload(
+    path: str, status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    """The error body in the dialect of the route at `path`."""
+    if speaks_anthropic(path):
+        return anthropic_error_body(status_code, message)
+    return error_body(status_code, message, param, code)
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    body = error_payload(path, error.status_code, error.message, error.param, error.code)
     return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
@@ -154,21 +188,21 @@ def from_validation(errors: list[dict[str, Any]]) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, APIError)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     async def on_validation_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, (RequestValidationError, ValidationError))
-        return error_response(from_validation(list(error.errors())))
+        return error_response(from_validation(list(error.errors())), request.url.path)
 
     async def on_http_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
         message = error.detail if isinstance(error.detail, str) else "request failed"
         if error.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(APIError(error.status_code, message, headers=error.headers))
+        return error_response(APIError(error.status_code, message, headers=error.headers), request.url.path)
 
     async def on_unexpected(request: Request, error: Exception) -> JSONResponse:  # a ServingError too
-        return error_response(from_serving(error))
+        return error_response(from_serving(error), request.url.path)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -30,11 +31,14 @@ from serval.api.metrics import RequestObserver
 from serval.api.openai import ChatCompletionRequest, CompletionRequest
 from serval.api.responses import chat_completion, text_completion
 from serval.api.sse import StreamFormat, stream_events, usage_mode
-from serval.serving.chat import ChatPrompt
+from serval.sampling import SamplingParams
+from serval.serving.chat import ChatOptions, ChatPrompt
 from serval.serving.generation import GenerationRequest
 from serval.serving.stream import Completion
 
 T = TypeVar("T")
+# A stream's framing: (first event, the rest, on_close=) -> SSE text.
+Frame = Callable[..., AsyncIterator[str]]
 
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the metrics do
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -68,10 +72,12 @@ async def respond(
     request: Request,
     generation: GenerationRequest,
     observer: RequestObserver,
-    fmt: StreamFormat,
+    fmt: StreamFormat | Frame,
     is_stream: bool,
     build: Callable[[Completion], dict[str, Any]],
 ) -> Response:
+    """The generation's answer: `build(result)` as JSON, or a stream framed by `fmt` (chat and completions'
+    chunks, or a route's own Frame: first event, the rest, on_close -> SSE text)."""
     frontend, timeout = ctx.frontend, ctx.config.request_timeout
     try:
         if not is_stream:
@@ -92,14 +98,52 @@ async def respond(
         except Exception:
             await events.aclose()
             raise
+        frame = fmt if callable(fmt) else partial(stream_events, fmt=fmt)
         return StreamingResponse(
-            stream_events(first, events, fmt, on_close=observer.abandon),
+            frame(first, events, on_close=observer.abandon),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     except ClientGone:
         # The cancelled task already closed the generation (its engine requests are aborted).
         return Response(status_code=STATUS_CLIENT_GONE)
+
+
+def chat_parts(
+    ctx: ServerContext, chat: ChatCompletionRequest, model: str
+) -> tuple[ChatPrompt, ChatOptions, SamplingParams]:
+    """A parsed chat request (the model checked) as native values: every check of the chat route, in its
+    order. The Responses and Messages routes translate their requests into a chat request and come through
+    here, so the three cannot drift apart."""
+    frontend = ctx.frontend
+    ctx.check_generates()
+    req.check_chat_features(chat)
+    options = chat_options(chat)
+    params = req.chat_sampling_params(chat, bool(chat.stream), ctx.vocab_size)
+    frontend.check_num_sequences(1, params, "messages")  # before the messages' checks, as ever
+    messages, continue_final = chat_messages.template_messages(
+        chat.messages, chat.continue_final_message, ctx.roles
+    )
+    # Every media part parsed and checked first; a model that cannot read one refuses it before any fetch.
+    media = chat_media_parts(chat.messages, frontend.media.config, bool(chat.vl_high_resolution_images))
+    frontend.check_media(media, model)
+    prompt = ChatPrompt(
+        messages,
+        add_generation_prompt=chat.add_generation_prompt is not False,
+        continue_final_message=continue_final,
+        template_kwargs=req.with_template_kwargs(chat),
+        cache_spans=chat_messages.cache_spans(chat.messages),
+        media=media,
+    )
+    return prompt, options, params
+
+
+async def chat_generation(
+    ctx: ServerContext, chat: ChatCompletionRequest, model: str, request_id: str
+) -> GenerationRequest:
+    """chat_parts, rendered and planned by serving: the GenerationRequest to run."""
+    prompt, options, params = chat_parts(ctx, chat, model)
+    return await ctx.frontend.chat_request(request_id, prompt, options, params, ctx.lora_of(model))
 
 
 def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -110,34 +154,15 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         observer = RequestObserver(ctx.metrics)
         chat = parse(ChatCompletionRequest, await ctx.body(request))
         model = ctx.check_model(chat.model)
-        req.check_chat_features(chat)
-        options = chat_options(chat)
-        is_stream = bool(chat.stream)
-        params = req.chat_sampling_params(chat, is_stream, ctx.vocab_size)
-        frontend.check_num_sequences(1, params, "messages")  # before the messages' checks, as ever
-        messages, continue_final = chat_messages.template_messages(
-            chat.messages, chat.continue_final_message, ctx.roles
-        )
-        # Every media part parsed and checked first; a model that cannot read one refuses it before any fetch.
-        media = chat_media_parts(chat.messages, frontend.media.config, bool(chat.vl_high_resolution_images))
-        frontend.check_media(media, model)
-        prompt = ChatPrompt(
-            messages,
-            add_generation_prompt=chat.add_generation_prompt is not False,
-            continue_final_message=continue_final,
-            template_kwargs=req.with_template_kwargs(chat),
-            cache_spans=chat_messages.cache_spans(chat.messages),
-            media=media,
-        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = await frontend.chat_request(request_id, prompt, options, params, ctx.lora_of(model))
+        generation = await chat_generation(ctx, chat, model, request_id)
         fmt = StreamFormat(
             request_id, created, model, generation.num_choices, usage_mode(chat.stream_options),
             config.full_text_enabled,
         )  # fmt: skip
         return await respond(
-            ctx, request, generation, observer, fmt, is_stream,
+            ctx, request, generation, observer, fmt, bool(chat.stream),
             lambda result: chat_completion(request_id, created, model, result),
         )  # fmt: skip
 
@@ -146,6 +171,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         observer = RequestObserver(ctx.metrics)
         body = parse(CompletionRequest, await ctx.body(request))
         model = ctx.check_model(body.model)
+        ctx.check_generates()
         if body.suffix:
             raise APIError(
                 400,

@@ -40,7 +40,7 @@ class DrainGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.drain.is_draining:
-            await error_response(shutting_down())(scope, receive, send)
+            await error_response(shutting_down(), scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from serval.config import EngineConfig
 from serval.engine.constraint import TokenConstraint
@@ -30,6 +31,7 @@ from serval.engine.messages import (
     AbortRequest,
     AddRequests,
     Command,
+    Embed,
     EngineDeadError,
     EngineStats,
     FailureKind,
@@ -190,7 +192,13 @@ class EngineClient:
         reply = asyncio.get_running_loop().create_future()
         return await self._send_and_wait(UnloadLora(name, reply))
 
-    async def _send_and_wait(self, command: LoadLora | UnloadLora) -> LoraCard:
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """An embedding model's vectors, one per prompt (each checked against the context by the caller).
+        ValueError for prompts the engine cannot take; EngineDeadError once stopped."""
+        reply = asyncio.get_running_loop().create_future()
+        return await self._send_and_wait(Embed(tuple(prompts), reply))
+
+    async def _send_and_wait(self, command: LoadLora | UnloadLora | Embed) -> Any:
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine has stopped")
@@ -274,6 +282,8 @@ class EngineClient:
                 self._change_loras(reply, self._engine.add_lora, name, adapter, base_model_name)
             case UnloadLora(name, reply):
                 self._change_loras(reply, self._engine.remove_lora, name)
+            case Embed(prompts, reply):
+                self._embed(list(prompts), reply)
             case Stop():
                 events += self._fail_all("the engine has stopped")
                 return False
@@ -312,6 +322,16 @@ class EngineClient:
             result, error = None, RuntimeError(f"{method.__name__} failed: {e}")
         if error is None:
             self.loras = dict(self._engine.loras.cards)
+        answer(reply, result, error)
+
+    def _embed(self, prompts: list[list[int]], reply: asyncio.Future) -> None:
+        try:
+            result, error = self._engine.embed(prompts), None
+        except ValueError as e:
+            result, error = None, e
+        except Exception as e:  # must not kill the engine thread
+            logger.exception("embedding failed")
+            result, error = None, EngineDeadError(f"embedding failed: {e}")
         answer(reply, result, error)
 
     def _fail_all(self, message: str) -> list[Event]:

@@ -13,6 +13,7 @@ from serval.config import EngineConfig
 from serval.engine.beam_search import BeamSearchGroup
 from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
+from serval.engine.embedding import embed_prompts
 from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
 from serval.engine.request import Request, RequestStatus, sampling_row
@@ -202,6 +203,12 @@ class Engine:
             )
         self.runner.unload_lora(card.slot)
         return self.loras.remove(name)
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """An embedding model's vectors of whole prompts, computed now (engine/embedding.py)."""
+        return embed_prompts(
+            self.block_manager, self.runner, prompts, self.config.scheduler.max_num_batched_tokens
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

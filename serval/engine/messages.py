@@ -3,7 +3,7 @@
 Commands go in on one queue, the engine thread dispatches them by type; per request, events come back on
 that request's own queue (a `RequestOutput` delta, or one `RequestFailed`); and after every step and every
 batch of commands the engine thread publishes an `EngineStats` snapshot, the only engine state the event
-loop reads. Plain values only, except the futures LoRA commands answer on.
+loop reads. Plain values only, except the futures LoRA and Embed commands answer on.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class UnloadLora:
 
 
 def answer(reply: asyncio.Future, result: object, error: Exception | None) -> None:
-    """Settle a LoRA command's reply from the engine thread, on the loop that awaits it."""
+    """Settle a LoRA or Embed command's reply from the engine thread, on the loop that awaits it."""
 
     def settle() -> None:
         if reply.done():
@@ -95,11 +95,19 @@ def answer(reply: asyncio.Future, result: object, error: Exception | None) -> No
 
 
 @dataclass(frozen=True)
+class Embed:
+    """An embedding model's prompts to embed now, between steps (engine/embedding.py)."""
+
+    prompts: tuple[list[int], ...]
+    reply: asyncio.Future  # settled on its own loop with one vector per prompt, or a ValueError
+
+
+@dataclass(frozen=True)
 class Stop:
     """The last command: the requests in flight fail with EngineDeadError and the engine thread ends."""
 
 
-Command = AddRequests | AbortRequest | LoadLora | UnloadLora | Stop
+Command = AddRequests | AbortRequest | LoadLora | UnloadLora | Embed | Stop
 
 
 # ---- events: engine thread -> one request's stream (besides engine/outputs.py's RequestOutput)

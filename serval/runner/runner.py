@@ -22,6 +22,7 @@ from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.media import MediaInput, MediaPrompt, media_step
 from serval.runner.parallel.shard import TensorParallelPart, plan_shard, sharded_checkpoint
+from serval.runner.pooling import pool, read_pooling
 from serval.runner.sampler import Sampler
 
 
@@ -46,6 +47,11 @@ class RunnerInfo:
     batch_activations: str = "float32"
     num_threads: int = 1  # per rank under tensor parallelism
     tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)
+    # An embedding model's pooling (runner/pooling.py: "lasttoken", "mean", "cls", "max") and whether its
+    # vectors are L2-normalized; None: a generative model.
+    pooling: str | None = None
+    normalizes_embeddings: bool = False
+    hidden_size: int = 0  # the width of an embedding model's vectors
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -131,6 +137,8 @@ class ModelRunner:
             checkpoint = sharded_checkpoint(checkpoint, shard)
             self.tensor_parallel_size = tensor_parallel.world_size
         self.arch = checkpoint.arch
+        # An embedding model (runner/pooling.py): embed() pools its final hidden states.
+        self.pooling = None if source.is_gguf else read_pooling(source.path)
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.kernel_variant = "none" if kernels is None else kernels.variant
@@ -205,6 +213,9 @@ class ModelRunner:
             batch_activations=self.batch_activations,
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
+            pooling=None if self.pooling is None else self.pooling.mode,
+            normalizes_embeddings=self.pooling is not None and self.pooling.normalize,
+            hidden_size=self.full_arch.hidden_size,
         )
 
     @staticmethod
@@ -213,6 +224,11 @@ class ModelRunner:
         if lora_config is not None and lora_config.is_enabled:
             raise ValueError(
                 "LoRA adapters are not supported with tensor parallelism (--tensor-parallel-size)"
+            )
+        if not arch.has_lm_head:
+            raise ValueError(
+                f"{arch.architecture} as an embedding model is not supported with tensor parallelism"
+                " (--tensor-parallel-size)"
             )
         if arch.moe is not None:
             raise ValueError(
@@ -358,6 +374,24 @@ class ModelRunner:
                 input_ids, position_ids, self.kv_caches, meta, logit_rows, lora, media=media_rows
             )
         return self.model(input_ids, position_ids, self.kv_caches, meta, logit_rows, lora)
+
+    @torch.inference_mode()
+    def embed(self, batch: Batch) -> list[torch.Tensor]:
+        """An embedding model's vectors, (hidden_size,) float32 each, one per sequence of a batch of whole
+        prompts (nothing cached before them; text only). Their K/V rows go to the batch's blocks as in any
+        prefill; the engine frees those blocks right after."""
+        assert self.pooling is not None, "only an embedding model embeds"
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        positions = [p for n in batch.num_new_tokens for p in range(n)]
+        meta = AttentionMetadata.build(
+            batch.num_new_tokens, batch.num_computed_tokens, batch.block_tables, self.block_size, self.device,
+            self.decode_kernel, self.prefill_kernel,
+        )  # fmt: skip
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model.hidden_states(input_ids, position_ids, self.kv_caches, meta)
+        return [pool(rows, self.pooling) for rows in hidden.split(batch.num_new_tokens)]
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:

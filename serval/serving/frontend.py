@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from serval.engine.client import EngineClient, EngineStats, RunnerInfo
 from serval.engine.messages import RequestFailed
 from serval.sampling import SamplingParams
+from serval.serving import embedding
 from serval.serving.chat import ChatOptions, ChatPrompt, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError
 from serval.serving.client_text import CacheSpan, Segment
@@ -225,6 +226,24 @@ class Frontend:
         )
         return token_ids, plan, num_pinned_tokens, media_spans
 
+    async def count_chat_tokens(self, prompt: ChatPrompt, options: ChatOptions) -> int:
+        """How many tokens the chat prompt is, its tools shown as a chat request would show them (no grammar
+        is compiled); media parts (checked by check_media) are loaded to count their runs."""
+        items: list[MediaItem] = []
+        if prompt.media:
+            assert self.media_processor is not None, "check_media refuses media without a processor"
+            items = await self.media.load(prompt.media, self.media_processor)
+        messages, tools, spans = prepare_messages(
+            prompt.messages, options, self.tool_format, self.template_source, prompt.cache_spans
+        )
+        _, (token_ids, _, _) = await self.text_threads.run(
+            num_message_chars(messages),
+            self._render_and_encode,
+            messages, items, prompt.add_generation_prompt, prompt.continue_final_message, tools,
+            prompt.template_kwargs, spans,
+        )  # fmt: skip
+        return len(token_ids)
+
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], media: tuple[MediaPart, ...] = (), **kwargs: Any
     ) -> list[int]:
@@ -297,6 +316,29 @@ class Frontend:
 
     def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
         self.rules.check_num_sequences(num_prompts, params, param)
+
+    async def embed(
+        self, inputs: list[str | list[int]], dimensions: int | None
+    ) -> tuple[list[list[float]], int]:
+        """An embedding model's vectors of the inputs, and their prompt tokens (serving/embedding.py)."""
+        info = self.runner_info
+        if info.pooling is None:
+            raise InvalidRequestError(
+                f"{info.architecture or 'this model'} is a generative model, not an embedding model (its "
+                "directory has no sentence-transformers modules.json with a Pooling module)",
+                "model",
+            )
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            return [self.tokenizer.encode_with_post_processor(text) for text in texts]
+
+        async def encode_off_loop(texts: list[str]) -> list[list[int]]:
+            return await self.text_threads.run(sum(map(len, texts)), encode, texts)
+
+        return await embedding.embed(
+            inputs, dimensions, self.tokenizer, encode_off_loop, self.engine.embed, info.hidden_size,
+            info.normalizes_embeddings, self.max_model_len,
+        )  # fmt: skip
 
     # ---- running a request
 

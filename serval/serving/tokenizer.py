@@ -220,6 +220,12 @@ class Tokenizer:
             ids.insert(0, bos)
         return ids
 
+    def encode_with_post_processor(self, text: str) -> list[int]:
+        """Token ids as Hugging Face's `tokenizer(text)` gives them: the tokenizer.json post-processor run
+        (Qwen3-Embedding's appends <|endoftext|>, the token its last-token pooling reads). Embeddings only:
+        what sentence-transformers computes, and so what an embedding model was trained on."""
+        return self._backend.encode_batch([text], add_special_tokens=True)[0].ids
+
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of untrusted text: a user's "<|im_start|>" becomes ordinary pieces, never a control id."""
         return _encode_releasing_gil(self._plain, text)

@@ -17,6 +17,7 @@ from serval.runner.loader.packer import LowBitPacker
 from serval.runner.loader.safetensors import iter_safetensors_weights, read_hf_config, safetensors_formats
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.registry import model_class
+from serval.runner.pooling import read_pooling
 
 if TYPE_CHECKING:
     from serval.runner.loader.gguf_pack import NativeRepack
@@ -74,6 +75,8 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
             block_tensor_types(reader),
         )
     arch = ArchConfig.from_hf_config(read_hf_config(source.path))
+    if read_pooling(source.path) is not None:  # an embedding model's head, if it has one, is never used
+        arch = dataclasses.replace(arch, has_lm_head=False)
     if has_mxfp4_experts(source.path):  # gpt-oss's own checkpoints: experts packed from their MXFP4 blocks
         expert_types = mxfp4_expert_types(source.path)
         return Checkpoint(

@@ -60,6 +60,9 @@ class ArchConfig:
     vision: VisionArch | None = None  # the vision tower of a multimodal model
     audio: AudioArch | None = None  # the audio encoder of a multimodal model
     moe: MoeArch | None = None  # the experts of a mixture-of-experts model; None: every MLP is dense
+    # False for a bare decoder (Qwen3Model, what sentence-transformers saves) and any embedding model: no
+    # lm_head is loaded (runner/pooling.py reads its final hidden states instead of logits).
+    has_lm_head: bool = True
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ArchConfig:
@@ -104,13 +107,17 @@ class ArchConfig:
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
             moe=MoeArch.from_hf_config(architecture, cfg) if architecture in _MOE_FAMILIES else None,
+            has_lm_head=architecture not in BARE_DECODERS,
         )
 
 
+# Decoders saved without their head (AutoModel's classes): embedding checkpoints.
+BARE_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 # Architectures whose language model is Qwen2's decoder (q/k/v biases).
 _QWEN2_DECODERS = frozenset(
     {
         "Qwen2ForCausalLM",
+        "Qwen2Model",
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen2AudioForConditionalGeneration",
@@ -118,7 +125,7 @@ _QWEN2_DECODERS = frozenset(
     }
 )
 # Architectures with a per-head RMSNorm on q and k.
-_QK_NORM_DECODERS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+_QK_NORM_DECODERS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"})
 # Architectures with a learned attention sink logit per head.
 _SINK_DECODERS = frozenset({"GptOssForCausalLM"})
 # Architectures whose sliding_window, without layer_types, applies to every layer (transformers' Mistral).

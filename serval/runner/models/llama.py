@@ -124,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False)
+        has_own_head = arch.has_lm_head and not arch.tie_word_embeddings
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False) if has_own_head else None
         self.max_positions = max_positions
         self.rotary = self._make_rotary(None)
         # The tied head's exact packed form (runner/quantization.py), set by the loader when it has one.
@@ -173,14 +174,7 @@ class LlamaForCausalLM(nn.Module):
         logit_rows: torch.Tensor,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
-        if self.decode_stack is not None and meta.is_decode_only and lora is None:
-            self.decode_stack.forward(
-                x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, rope.cos, rope.sin
-            )
-        else:
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x = layer(x, rope, k_cache, v_cache, meta, lora)
-        x = self.norm(x[logit_rows])
+        x = self.norm(self.run_layers(x, rope, kv_caches, meta, lora)[logit_rows])
         if self.lm_head is not None:
             return self.lm_head(x).float()
         weight = self.embed_tokens.weight
@@ -193,6 +187,34 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_max_quantized_rows,
         )
         return (x @ weight.t() if logits is None else logits).float()
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden_size) float32
+        rope: RopeTables,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:  # (num_tokens, hidden_size) float32: the last layer's output, before the final norm
+        if self.decode_stack is not None and meta.is_decode_only and lora is None:
+            self.decode_stack.forward(
+                x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, rope.cos, rope.sin
+            )
+            return x
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, rope, k_cache, v_cache, meta, lora)
+        return x
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (num_tokens, hidden_size) float32: every token's final (normed) hidden state
+        x = self.embed(input_ids)
+        rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
+        return self.norm(self.run_layers(x, rope, kv_caches, meta)).float()
 
     def use_kernels(
         self,
@@ -230,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         if name == "rotary_emb.freq_factors" or "rotary_emb.inv_freq" in name:
             return None
         if self.lm_head is None and name == "lm_head.weight":
-            return None  # some tied checkpoints still carry a copy
+            return None  # some tied checkpoints still carry a copy; an embedding model's is never used
         if self.arch.moe is not None:
             target = expert_weight_target(name, self.arch.moe.num_experts)
             if target is not None:

@@ -17,6 +17,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    # The same decoders saved without a head (embedding checkpoints: runner/pooling.py).
+    "LlamaModel": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "MistralModel": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen2Model": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "Qwen3Model": ("serval.runner.models.llama", "LlamaForCausalLM"),
     # Their mixtures of experts: the same decoder with sparse MLPs (ArchConfig.moe, runner/moe.py).
     "MixtralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
