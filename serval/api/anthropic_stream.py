@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serval.api.errors import APIError, anthropic_error_body, from_serving
-from serval.api.output_blocks import Block, BlockEvent, BlockSplitter
+from serval.api.output_blocks import Block, BlockEvent, BlockSplitter, assembled_payloads
 from serval.serving.stream import ChoiceDelta, Event, Usage
 
 
@@ -138,14 +138,8 @@ async def stream_message(
 ) -> AsyncIterator[str]:
     """The SSE text of one message; a failure once the headers are out is an `error` event."""
     try:
-        for payload in assembler.start():
+        async for payload in assembled_payloads(assembler, first, events):
             yield sse_event(payload)
-        event: Event | None = first
-        while event is not None:
-            payloads = assembler.finish(event) if isinstance(event, Usage) else assembler.feed(event)
-            for payload in payloads:
-                yield sse_event(payload)
-            event = await anext(events, None)
     except Exception as e:  # noqa: BLE001 - the headers are out: report in-band
         error = e if isinstance(e, APIError) else from_serving(e)
         yield sse_event(anthropic_error_body(error.status_code, error.message))

@@ -9,10 +9,11 @@ blocks from one delta holding the whole choice (`whole_choice`), so the two shap
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
-from serval.serving.stream import ChoiceDelta, ChoiceResult
+from serval.serving.stream import ChoiceDelta, ChoiceResult, Event, Usage
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -96,3 +97,25 @@ def whole_choice(choice: ChoiceResult) -> ChoiceDelta:
         choice.index, choice.text, choice.token_ids, None, choice.finish_reason,
         reasoning_text=choice.reasoning_text, tool_calls=choice.tool_calls, stop_reason=choice.stop_reason,
     )  # fmt: skip
+
+
+class StreamAssembler(Protocol):
+    """A route's stream framing (responses_stream.ResponseAssembler, anthropic_stream.MessageAssembler)."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+    def feed(self, delta: ChoiceDelta) -> list[dict[str, Any]]: ...
+    def finish(self, usage: Usage) -> list[dict[str, Any]]: ...
+
+
+async def assembled_payloads(
+    assembler: StreamAssembler, first: Event, events: AsyncIterator[Event]
+) -> AsyncIterator[dict[str, Any]]:
+    """Every payload of a streamed answer in order: the assembler's opening ones, then those of each serving
+    event (the first already taken, to learn early whether the request was refused), its usage last."""
+    for payload in assembler.start():
+        yield payload
+    event: Event | None = first
+    while event is not None:
+        for payload in assembler.finish(event) if isinstance(event, Usage) else assembler.feed(event):
+            yield payload
+        event = await anext(events, None)

@@ -17,7 +17,7 @@ from typing import Any
 
 from serval.api.agent_schemas import ResponsesRequest
 from serval.api.errors import APIError, from_serving
-from serval.api.output_blocks import Block, BlockEvent, BlockSplitter, new_id
+from serval.api.output_blocks import Block, BlockEvent, BlockSplitter, assembled_payloads, new_id
 from serval.serving.stream import ChoiceDelta, Event, Usage
 
 _PREFIXES = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
@@ -181,14 +181,8 @@ async def stream_response(
     """The SSE text of one response; `on_done(response)` once it completed (the store keeps it). A failure
     once the headers are out is an `error` event, never a dropped connection."""
     try:
-        for payload in assembler.start():
+        async for payload in assembled_payloads(assembler, first, events):
             yield sse_event(payload)
-        event: Event | None = first
-        while event is not None:
-            payloads = assembler.finish(event) if isinstance(event, Usage) else assembler.feed(event)
-            for payload in payloads:
-                yield sse_event(payload)
-            event = await anext(events, None)
         on_done(assembler.response())
     except Exception as e:  # noqa: BLE001 - the headers are out: report in-band
         error = e if isinstance(e, APIError) else from_serving(e)
