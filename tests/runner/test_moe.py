@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
+from serval.runner import runner as runner_module
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
@@ -75,7 +76,7 @@ def test_gguf_matches_transformers(tiny_model_factory, tmp_path, architecture):
 )
 @pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
 def test_packed_experts_run_natively_and_agree_with_the_dense_path(
-    tiny_model_factory, tmp_path, architecture, qtype
+    tiny_model_factory, tmp_path, architecture, qtype, monkeypatch
 ):
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
@@ -98,8 +99,11 @@ def test_packed_experts_run_natively_and_agree_with_the_dense_path(
         a, b = _serval_logits(dense, prompt), _serval_logits(packed, prompt)
         assert (a - b).abs().max().item() < 2e-2
         assert a.argmax() == b.argmax()
-    # With exact products (x rounded to int16 per block, 2^-15 of its largest value) the answers are the
-    # dense path's; int8 x (above, the default) rounds to 2^-7, within the bound but not every near-tie.
+    # With exact products (x rounded to int16 per block, 2^-15 of its largest value) in fp32 the answers are
+    # the dense path's; int8 x (above, the default) rounds to 2^-7, within the bound but not every near-tie.
+    # fp32 compute is what `auto` gives on a CPU without native bf16; on one with it (Zen 4, Xeon) `auto` is
+    # bf16, whose residual rounding (2^-8) moves near-ties too, so the test asks for the fp32 kernels there.
+    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
     exact = _packed_engine(path, batch_activations="float32")
     assert _greedy(exact, PROMPTS, max_tokens=8) == _greedy(dense, PROMPTS, max_tokens=8)
 
@@ -188,6 +192,26 @@ def test_batched_equals_alone(tiny_model_factory, tmp_path):
     together = _greedy(_packed_engine(path), PROMPTS, max_tokens=10)
     alone = [_greedy(_packed_engine(path), [prompt], max_tokens=10)[0] for prompt in PROMPTS]
     assert together == alone
+
+
+@pytest.mark.parametrize("hidden", [2048, 72])  # a real width, and one with a tail past the vector width
+def test_router_logits_are_each_rows_own_whatever_the_batch(hidden):
+    # kernels.router_logits splits over experts and computes up to four tokens beside each other: a row's
+    # scores are the same bits alone and in any batch, and they are x @ w.T.
+    from serval.runner.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native kernels on this machine")
+    torch.manual_seed(0)
+    w = torch.randn(128, hidden) / hidden**0.5
+    x = torch.randn(37, hidden)
+    batched = kernels.router_logits(x, w)
+    torch.testing.assert_close(batched, x @ w.T, rtol=1e-5, atol=1e-5)
+    for num_tokens in (1, 3, 4, 5, 16, 17, 37):
+        assert torch.equal(kernels.router_logits(x[:num_tokens], w), batched[:num_tokens])
+    for row in (0, 5, 36):
+        assert torch.equal(kernels.router_logits(x[row : row + 1], w), batched[row : row + 1])
 
 
 def test_routing_ties_go_to_the_lower_expert_whatever_the_batch(tmp_path):
