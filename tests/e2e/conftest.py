@@ -22,6 +22,7 @@ import pytest
 
 from tests.e2e.helpers import die_with_parent
 
+SERVAL = [sys.executable, "-m", "serval.entrypoints.cli"]  # the `serval` command, in this interpreter
 STARTUP_TIMEOUT_S = 240
 API_KEYS = ("key-one", "key-two")
 DEPLOY_MODEL = "smol"
@@ -74,7 +75,7 @@ class Server:
 
 def launch(args: list[str], log_path: str) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [*SERVAL, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509 (one prctl call)
     return Server(process, port, log_path)

@@ -192,7 +192,7 @@ def test_a_bad_startup_adapter_stops_the_server_with_one_line(tiny_model_factory
     import sys
 
     directory, _ = tiny_model_factory("llama", False)
-    command = [sys.executable, "-m", "serval.cli", "serve", "--port", "1", "--model", directory, "--dtype",
+    command = [sys.executable, "-m", "serval.entrypoints.cli", "serve", "--port", "1", "--model", directory, "--dtype",
                "float32", "--lora-modules", f"bad={tmp_path}"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode != 0

@@ -45,7 +45,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    from serval.llm import LLM
+    from serval.entrypoints.llm import LLM
 
     return LLM(tiny, dtype="float32", **ENGINE_FLAGS)
 

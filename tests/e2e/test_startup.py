@@ -29,7 +29,7 @@ PRELUDE = "import transformers.modeling_utils, sys; assert 'triton' in sys.modul
 
 def test_server_summary_line_and_a_quiet_exit(tmp_path):
     port = free_port()
-    code = PRELUDE + "from serval.cli import main; main(sys.argv[1:])"
+    code = PRELUDE + "from serval.entrypoints.cli import main; main(sys.argv[1:])"
     command = [sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port", str(port),
                "--max-num-seqs", "7", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
     stderr_path = tmp_path / "stderr.log"

@@ -20,8 +20,8 @@ from tqdm import tqdm
 from serval.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from serval.engine.engine import Engine
 from serval.engine.outputs import TokenLogprob
+from serval.entrypoints.llm_media import chat_prompt, multi_modal_prompt, offline_frontend
 from serval.lifetime import freeze_long_lived_objects
-from serval.llm_media import chat_prompt, multi_modal_prompt, offline_frontend
 from serval.sampling import SamplingParams
 from serval.serving.errors import from_engine
 from serval.serving.generation import GenerationRequest, PromptRules
