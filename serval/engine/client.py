@@ -20,12 +20,13 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from serval.config import EngineConfig
+from serval.engine.admission import check_admissible
 from serval.engine.constraint import TokenConstraint
-from serval.engine.engine import Engine, check_prompt
+from serval.engine.engine import Engine
 from serval.engine.lora import LoraCard, LoraError, UnknownLoraError, check_can_add
 from serval.engine.messages import (
     AbortRequest,
@@ -338,7 +339,7 @@ class EngineClient:
         """Abort every request in flight (beam searches included), each with a RequestFailed for its reader."""
         engine = self._engine
         failed = []
-        for request_id in [*engine.requests, *engine.beam_groups]:
+        for request_id in [*engine.requests, *engine.beams.groups]:
             if engine.abort_request(request_id) is not None:
                 failed.append(RequestFailed(request_id, message, FailureKind.ENGINE_DEAD))
         return failed
@@ -360,26 +361,6 @@ class EngineClient:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
-
-
-def check_admissible(
-    requests: list[NewRequest], max_model_len: int, loras: Mapping[str, object], max_queue_len: int
-) -> list[str]:
-    """The checks of add_requests that need no engine state, shared by every client with its interface
-    (cluster/client.py's too): ValueError (a prompt the context can't hold, with the numbers; ids not
-    distinct; more requests than the queue could ever hold) or UnknownLoraError. Returns the request ids."""
-    for request in requests:
-        check_prompt(len(request.prompt_token_ids), request.params, max_model_len)
-        if request.lora_name is not None and request.lora_name not in loras:
-            raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
-    ids = [request.request_id for request in requests]
-    if len(set(ids)) != len(ids):
-        raise ValueError("request ids must be distinct")
-    if len(requests) > max_queue_len:
-        raise ValueError(
-            f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
-        )
-    return ids
 
 
 def _snapshot(engine: Engine) -> EngineStats:
