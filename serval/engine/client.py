@@ -15,7 +15,6 @@ anything is queued. So a refused request leaves nothing running and no KV block 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import logging
 import queue
@@ -27,6 +26,7 @@ from serval.config import EngineConfig
 from serval.engine.admission import check_admissible
 from serval.engine.constraint import TokenConstraint
 from serval.engine.engine import Engine
+from serval.engine.loading import build_engine
 from serval.engine.lora import LoraCard, LoraError, UnknownLoraError, check_can_add
 from serval.engine.messages import (
     AbortRequest,
@@ -36,6 +36,7 @@ from serval.engine.messages import (
     EngineDeadError,
     EngineStats,
     FailureKind,
+    Flush,
     LoadLora,
     NewRequest,
     QueueFullError,
@@ -88,27 +89,10 @@ class EngineClient:
     def start(cls, config: EngineConfig, on_runner_failure=None) -> EngineClient:
         """on_runner_failure(message): called on another thread if the runner can no longer run a step (a
         tensor-parallel worker died); the server stops itself with it."""
-        # NOTE: the engine is built on a helper thread, not the caller's (the main one). Once the main thread
-        # has run an OpenMP parallel region (loading the weights runs many), every region another thread
-        # starts costs ~50 us more (libgomp; measured: an elementwise op 27 -> 75 us, a 137-token prefill
-        # 64 -> 100+ ms on the engine thread). Built elsewhere, the main thread never runs one.
-        built: dict[str, object] = {}
-
-        def build() -> None:
-            try:
-                built["engine"] = Engine(config)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
-                built["error"] = e
-            _release_freed_memory()
-
-        builder = threading.Thread(target=build, name="serval-engine-load")
-        builder.start()
-        builder.join()
-        if "error" in built:
-            raise built["error"]
+        engine = build_engine(config)
         if on_runner_failure is not None:
-            built["engine"].runner.watch(on_runner_failure)
-        return cls(built["engine"])
+            engine.runner.watch(on_runner_failure)
+        return cls(engine)
 
     # ---- event-loop side
 
@@ -199,7 +183,11 @@ class EngineClient:
         reply = asyncio.get_running_loop().create_future()
         return await self._send_and_wait(Embed(tuple(prompts), reply))
 
-    async def _send_and_wait(self, command: LoadLora | UnloadLora | Embed) -> Any:
+    async def flush(self) -> None:
+        """Returns once the engine thread has handled every command sent before (aborts included)."""
+        await self._send_and_wait(Flush(asyncio.get_running_loop().create_future()))
+
+    async def _send_and_wait(self, command: LoadLora | UnloadLora | Embed | Flush) -> Any:
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine has stopped")
@@ -285,6 +273,8 @@ class EngineClient:
                 self._change_loras(reply, self._engine.remove_lora, name)
             case Embed(prompts, reply):
                 self._embed(list(prompts), reply)
+            case Flush(reply):
+                answer(reply, None, None)
             case Stop():
                 events += self._fail_all("the engine has stopped")
                 return False
@@ -379,12 +369,3 @@ def _snapshot(engine: Engine) -> EngineStats:
         num_preemptions=engine.num_preemptions,
         num_generated_tokens=engine.num_generated_tokens,
     )
-
-
-def _release_freed_memory() -> None:
-    """Hand the loader's freed fp32 buffers back to the OS (glibc keeps them in the loading thread's malloc
-    arena: ~300 MB of resident memory for the default model otherwise). A no-op without glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

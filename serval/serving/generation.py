@@ -68,12 +68,14 @@ class PromptRules:
         return min(cap for cap in caps if cap is not None)
 
     def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
-        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences)."""
+        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences). Run once per request,
+        where the API parses it (Frontend.check_num_sequences), before any costly work: `plan` does not repeat
+        it."""
         check_num_sequences(num_prompts, params, self.max_seqs_per_request, param)
 
     def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[SequencePlan]:
-        """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
-        self.check_num_sequences(len(prompts), params, param)
+        """One engine request per (prompt, sequence); raises InvalidRequestError (a prompt the context or the
+        deployment refuses) before anything is sent."""
         return plan_sequences(
             prompts, params, lambda prompt: self.resolve_max_tokens(len(prompt), params.max_tokens, param)
         )
