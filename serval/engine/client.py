@@ -47,7 +47,7 @@ from serval.engine.messages import (
 )
 from serval.engine.outputs import RequestOutput
 from serval.engine.request_stream import Event, RequestStream
-from serval.runner.runner import RunnerInfo
+from serval.runner.info import RunnerInfo
 from serval.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
