@@ -6,7 +6,7 @@ into engine requests (n / best_of sequences or a beam search per prompt, serving
 folded into each choice's text events (serving/stream.py: detokenizer, stop strings, reasoning and tool-call
 parsers), which engine request to abort when a stop string ends it early, the usage, and the best n of
 best_of. It does no I/O: the server drives it on the event loop (Frontend.stream), the offline LLM drives it
-synchronously over Engine.step() (serval/llm.py), so the two cannot drift apart.
+through the same serving/run.py (serval/entrypoints/llm.py), so the two cannot drift apart.
 """
 
 from __future__ import annotations
