@@ -37,7 +37,7 @@ SHAPES = {
 
 def serval_command(port: int, extra: str, args) -> str:
     return (
-        f"{sys.executable} -m serval.cli serve --host 127.0.0.1 --port {port} --log-level warning "
+        f"{sys.executable} -m serval.entrypoints.cli serve --host 127.0.0.1 --port {port} --log-level warning "
         f"--kv-cache-memory-bytes {args.kv_cache} {extra}"
     )
 

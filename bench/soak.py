@@ -308,7 +308,7 @@ def main() -> None:
     parser.add_argument("--pid", type=int, default=None, help="the running server's process id (memory)")
     parser.add_argument(
         "--server-command",
-        default=f"{sys.executable} -m serval.cli serve --port {{port}} --log-level warning",
+        default=f"{sys.executable} -m serval.entrypoints.cli serve --port {{port}} --log-level warning",
     )
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None)

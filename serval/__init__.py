@@ -18,7 +18,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # LLM pulls in torch and the model stack; import it only when asked for.
     if name == "LLM":
-        from serval.llm import LLM
+        from serval.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(name)

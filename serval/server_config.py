@@ -265,7 +265,13 @@ def read_mindie_config(path: str) -> dict[str, Any]:
     base_dir = os.path.dirname(os.path.abspath(path))
     server = _section(data, "ServerConfig")
     deploy = _section(data, "ModelDeployConfig", "BackendConfig")
-    schedule = _section(data, "ScheduleConfig", "BackendConfig")
+    options = {**_server_options(server, base_dir), **_deploy_options(data, deploy, base_dir)}
+    options.update(_schedule_options(_section(data, "ScheduleConfig", "BackendConfig")))
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _server_options(server: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """ServerConfig: where and how the HTTP server listens (TLS), CORS and media settings."""
     options: dict[str, Any] = {
         "host": _typed(server, "ipAddress", str, "ServerConfig"),
         "port": _typed(server, "port", int, "ServerConfig"),
@@ -277,14 +283,6 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         "allowed_methods": _string_list(server, "allowedMethods", "ServerConfig"),
         "allowed_headers": _string_list(server, "allowedHeaders", "ServerConfig"),
         "allow_credentials": _typed(server, "allowCredentials", bool, "ServerConfig"),
-        "max_model_len": _typed(deploy, "maxSeqLen", int, "ModelDeployConfig"),
-        "max_input_tokens": _typed(deploy, "maxInputTokenLen", int, "ModelDeployConfig"),
-        "max_num_seqs": _typed(schedule, "maxBatchSize", int, "ScheduleConfig"),
-        "max_iter_times": _typed(schedule, "maxIterTimes", int, "ScheduleConfig"),
-        "max_num_batched_tokens": _typed(schedule, "maxPrefillTokens", int, "ScheduleConfig"),
-        "block_size": _typed(schedule, "cacheBlockSize", int, "ScheduleConfig"),
-        "max_queue_len": _typed(schedule, "maxQueueLen", int, "ScheduleConfig"),
-        "max_seqs_per_request": _typed(schedule, "maxSeqsPerRequest", int, "ScheduleConfig"),
         # Not MindIE keys: serval's media settings, beside the server's own.
         "allowed_local_media_path": _typed(server, "allowedLocalMediaPath", str, "ServerConfig"),
         "allowed_media_domains": _domains(server.get("allowedMediaDomains")),
@@ -301,6 +299,27 @@ def read_mindie_config(path: str) -> dict[str, Any]:
             raise ValueError("config file: httpsEnabled needs ServerConfig.tlsCert and ServerConfig.tlsPk")
         options["ssl_certfile"] = _relative_to(base_dir, cert)
         options["ssl_keyfile"] = _relative_to(base_dir, key)
+    return options
+
+
+def _schedule_options(schedule: dict[str, Any]) -> dict[str, Any]:
+    """ScheduleConfig: the batch, the queue, the KV-cache block."""
+    return {
+        "max_num_seqs": _typed(schedule, "maxBatchSize", int, "ScheduleConfig"),
+        "max_iter_times": _typed(schedule, "maxIterTimes", int, "ScheduleConfig"),
+        "max_num_batched_tokens": _typed(schedule, "maxPrefillTokens", int, "ScheduleConfig"),
+        "block_size": _typed(schedule, "cacheBlockSize", int, "ScheduleConfig"),
+        "max_queue_len": _typed(schedule, "maxQueueLen", int, "ScheduleConfig"),
+        "max_seqs_per_request": _typed(schedule, "maxSeqsPerRequest", int, "ScheduleConfig"),
+    }
+
+
+def _deploy_options(data: dict[str, Any], deploy: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """ModelDeployConfig: the context, the model (its first ModelConfig), LoRA adapters and their root."""
+    options: dict[str, Any] = {
+        "max_model_len": _typed(deploy, "maxSeqLen", int, "ModelDeployConfig"),
+        "max_input_tokens": _typed(deploy, "maxInputTokenLen", int, "ModelDeployConfig"),
+    }
     models = deploy.get("ModelConfig")
     if models is not None:
         if not isinstance(models, list) or not models or not isinstance(models[0], dict):
@@ -320,7 +339,7 @@ def read_mindie_config(path: str) -> dict[str, Any]:
         lora_root = _typed(data, "LoraRoot", str, "config")
     if lora_root is not None:
         options["lora_root"] = _relative_to(base_dir, lora_root)
-    return {key: value for key, value in options.items() if value is not None}
+    return options
 
 
 def split_domains(text: str) -> list[str]:

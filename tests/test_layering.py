@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import ast
-import pathlib
+from tests.imports import ROOT, imported_names, modules
 
 LAYERS = ["api", "serving", "engine", "runner"]
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "serval"
 
 
-def _imports(path: pathlib.Path) -> list[str]:
-    names = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
-        elif isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-    return names
+def _imports(path) -> list[str]:
+    return imported_names(path)
 
 
 def test_no_upward_imports():
@@ -36,3 +28,14 @@ def test_leaf_modules_import_no_layer():
     for leaf in ("config.py", "sampling.py", "model_source.py", "progress.py", "lifetime.py"):
         for name in _imports(ROOT / leaf):
             assert not any(name.startswith(f"serval.{layer}") for layer in LAYERS), (leaf, name)
+
+
+def test_only_the_entry_points_import_the_entry_points():
+    """serval/entrypoints/ sits above every layer (the CLI, the terminal tools, the offline LLM): nothing below
+    it imports it. serval/__init__.py (the lazy `LLM`) and serval/cli.py (`python -m serval.cli`) point in."""
+    upward = []
+    for name, path in modules().items():
+        if name.startswith("serval.entrypoints") or name in ("serval", "serval.cli"):
+            continue
+        upward += [f"{name} imports {i}" for i in _imports(path) if i.startswith("serval.entrypoints")]
+    assert upward == []

@@ -8,8 +8,8 @@ import io
 
 import pytest
 
-from serval.chat_client import Answer, _pieces, base_url
-from serval.terminal_chat import DIM, RESET, Screen, read_message, timing_line
+from serval.entrypoints.chat_client import Answer, _pieces, base_url
+from serval.entrypoints.terminal_chat import DIM, RESET, Screen, read_message, timing_line
 
 
 class FakeTerminal(io.StringIO):

@@ -186,6 +186,7 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         is_stream = bool(body.stream)
         params = req.completion_sampling_params(body, is_stream, ctx.vocab_size)
         prompts = req.completion_prompts(body.prompt)
+        frontend.check_num_sequences(len(prompts), params, "prompt")  # before tokenizing thousands of prompts
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = await frontend.completion_request(

@@ -23,6 +23,32 @@ from serval.api.version import package_version
 
 
 def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
+    _add_model_routes(app, ctx)
+    _add_token_routes(app, ctx)
+    frontend = ctx.frontend
+
+    @app.get("/health")
+    async def health() -> Response:
+        # One engine: {"status": "ok"}. Replicas (serval/cluster/): each live one listed, "degraded" while
+        # some are down (still 200: the others answer), 503 "unavailable" while none is up.
+        report = frontend.health()
+        status_code = 503 if report["status"] == "unavailable" else 200
+        return JSONResponse(report, status_code=status_code)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    version_body = {"version": package_version(), **ctx.facts}
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        # As vLLM's /version, plus what /metrics labels serval_model_info with; needs a key as /metrics does.
+        return version_body
+
+
+def _add_model_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/v1/models and /v1/models/{name}: the served names, then the LoRA adapters."""
     config, frontend = ctx.config, ctx.frontend
 
     def model_card(name: str) -> dict[str, Any]:
@@ -53,13 +79,10 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(404, f"the model {shown(name)} does not exist here", "model", "model_not_found")
         return lora_model_card(card, config, ctx.started, frontend.max_model_len)
 
-    @app.get("/health")
-    async def health() -> Response:
-        # One engine: {"status": "ok"}. Replicas (serval/cluster/): each live one listed, "degraded" while
-        # some are down (still 200: the others answer), 503 "unavailable" while none is up.
-        report = frontend.health()
-        status_code = 503 if report["status"] == "unavailable" else 200
-        return JSONResponse(report, status_code=status_code)
+
+def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/tokenize (a prompt or chat messages, media runs counted) and /detokenize, as vLLM's."""
+    frontend = ctx.frontend
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -91,14 +114,3 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         body = parse(DetokenizeRequest, await ctx.body(request))
         ctx.check_model(body.model)
         return {"prompt": frontend.decode(body.tokens)}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
-
-    version_body = {"version": package_version(), **ctx.facts}
-
-    @app.get("/version")
-    async def version() -> dict[str, Any]:
-        # As vLLM's /version, plus what /metrics labels serval_model_info with; needs a key as /metrics does.
-        return version_body

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from serval.cluster.config import ReplicaConfig
 from serval.cluster.wire import LoraSource, ReplicaBatch, ReplicaInfo, ReplicaReport, block_hashes
-from serval.engine.client import check_admissible
+from serval.engine.admission import check_admissible
 from serval.engine.lora import LoraCard, UnknownLoraError, check_can_add
 from serval.engine.messages import EngineDeadError, EngineStats, FailureKind, NewRequest, RequestFailed
 from serval.engine.outputs import RequestOutput

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from serval.engine.lora import LoraCard
 from serval.engine.messages import EngineStats, NewRequest
-from serval.runner.runner import RunnerInfo
+from serval.runner.info import RunnerInfo
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,18 @@ anything is queued. So a refused request leaves nothing running and no KV block 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from serval.config import EngineConfig
+from serval.engine.admission import check_admissible
 from serval.engine.constraint import TokenConstraint
-from serval.engine.engine import Engine, check_prompt
+from serval.engine.engine import Engine
+from serval.engine.loading import build_engine
 from serval.engine.lora import LoraCard, LoraError, UnknownLoraError, check_can_add
 from serval.engine.messages import (
     AbortRequest,
@@ -35,6 +36,7 @@ from serval.engine.messages import (
     EngineDeadError,
     EngineStats,
     FailureKind,
+    Flush,
     LoadLora,
     NewRequest,
     QueueFullError,
@@ -45,7 +47,7 @@ from serval.engine.messages import (
 )
 from serval.engine.outputs import RequestOutput
 from serval.engine.request_stream import Event, RequestStream
-from serval.runner.runner import RunnerInfo
+from serval.runner.info import RunnerInfo
 from serval.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,27 +89,10 @@ class EngineClient:
     def start(cls, config: EngineConfig, on_runner_failure=None) -> EngineClient:
         """on_runner_failure(message): called on another thread if the runner can no longer run a step (a
         tensor-parallel worker died); the server stops itself with it."""
-        # NOTE: the engine is built on a helper thread, not the caller's (the main one). Once the main thread
-        # has run an OpenMP parallel region (loading the weights runs many), every region another thread
-        # starts costs ~50 us more (libgomp; measured: an elementwise op 27 -> 75 us, a 137-token prefill
-        # 64 -> 100+ ms on the engine thread). Built elsewhere, the main thread never runs one.
-        built: dict[str, object] = {}
-
-        def build() -> None:
-            try:
-                built["engine"] = Engine(config)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
-                built["error"] = e
-            _release_freed_memory()
-
-        builder = threading.Thread(target=build, name="serval-engine-load")
-        builder.start()
-        builder.join()
-        if "error" in built:
-            raise built["error"]
+        engine = build_engine(config)
         if on_runner_failure is not None:
-            built["engine"].runner.watch(on_runner_failure)
-        return cls(built["engine"])
+            engine.runner.watch(on_runner_failure)
+        return cls(engine)
 
     # ---- event-loop side
 
@@ -198,7 +183,11 @@ class EngineClient:
         reply = asyncio.get_running_loop().create_future()
         return await self._send_and_wait(Embed(tuple(prompts), reply))
 
-    async def _send_and_wait(self, command: LoadLora | UnloadLora | Embed) -> Any:
+    async def flush(self) -> None:
+        """Returns once the engine thread has handled every command sent before (aborts included)."""
+        await self._send_and_wait(Flush(asyncio.get_running_loop().create_future()))
+
+    async def _send_and_wait(self, command: LoadLora | UnloadLora | Embed | Flush) -> Any:
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine has stopped")
@@ -284,6 +273,8 @@ class EngineClient:
                 self._change_loras(reply, self._engine.remove_lora, name)
             case Embed(prompts, reply):
                 self._embed(list(prompts), reply)
+            case Flush(reply):
+                answer(reply, None, None)
             case Stop():
                 events += self._fail_all("the engine has stopped")
                 return False
@@ -338,7 +329,7 @@ class EngineClient:
         """Abort every request in flight (beam searches included), each with a RequestFailed for its reader."""
         engine = self._engine
         failed = []
-        for request_id in [*engine.requests, *engine.beam_groups]:
+        for request_id in [*engine.requests, *engine.beams.groups]:
             if engine.abort_request(request_id) is not None:
                 failed.append(RequestFailed(request_id, message, FailureKind.ENGINE_DEAD))
         return failed
@@ -362,26 +353,6 @@ class EngineClient:
                 pass  # the loop is closed: nobody is listening any more
 
 
-def check_admissible(
-    requests: list[NewRequest], max_model_len: int, loras: Mapping[str, object], max_queue_len: int
-) -> list[str]:
-    """The checks of add_requests that need no engine state, shared by every client with its interface
-    (cluster/client.py's too): ValueError (a prompt the context can't hold, with the numbers; ids not
-    distinct; more requests than the queue could ever hold) or UnknownLoraError. Returns the request ids."""
-    for request in requests:
-        check_prompt(len(request.prompt_token_ids), request.params, max_model_len)
-        if request.lora_name is not None and request.lora_name not in loras:
-            raise UnknownLoraError(f"the LoRA adapter {request.lora_name!r} is not loaded")
-    ids = [request.request_id for request in requests]
-    if len(set(ids)) != len(ids):
-        raise ValueError("request ids must be distinct")
-    if len(requests) > max_queue_len:
-        raise ValueError(
-            f"{len(requests)} sequences at once can never be admitted: at most {max_queue_len} may wait"
-        )
-    return ids
-
-
 def _snapshot(engine: Engine) -> EngineStats:
     """The engine's counters now; called on the thread that owns the engine."""
     bm = engine.block_manager
@@ -398,12 +369,3 @@ def _snapshot(engine: Engine) -> EngineStats:
         num_preemptions=engine.num_preemptions,
         num_generated_tokens=engine.num_generated_tokens,
     )
-
-
-def _release_freed_memory() -> None:
-    """Hand the loader's freed fp32 buffers back to the OS (glibc keeps them in the loading thread's malloc
-    arena: ~300 MB of resident memory for the default model otherwise). A no-op without glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -1,7 +1,8 @@
 """Engine: token ids in, token-id deltas out. One `step()` = schedule, run the model, update requests.
 
-Single-threaded by design; `client.py` runs it on its own thread for the async front end, `llm.py` calls
-`step()` directly for offline use.
+Single-threaded by design; `client.py` runs it on its own thread (for the server and the offline LLM alike).
+Beam searches run their beams here as ordinary requests; which beams live on is beam_searches.py's to carry
+out. The admission rules that need no engine state are admission.py's, run by the caller before adding.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from collections.abc import Callable
 
 from serval.config import EngineConfig
 from serval.engine.beam_search import BeamSearchGroup
+from serval.engine.beam_searches import BeamSearches
 from serval.engine.block_manager import BlockManager
 from serval.engine.constraint import TokenConstraint
 from serval.engine.embedding import embed_prompts
 from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
-from serval.engine.request import Request, RequestStatus, sampling_row
+from serval.engine.request import Request, record_timing, sampling_row
 from serval.engine.scheduler import Scheduler, SchedulerOutput
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
@@ -24,23 +26,6 @@ from serval.runner.lora import LoraAdapter
 from serval.runner.media import MediaInput, MediaPrompt
 from serval.runner.parallel.runner import make_runner
 from serval.sampling import SamplingParams
-
-
-class PromptTooLongError(ValueError):
-    """The prompt (plus the tokens asked for) can't fit the context or the KV cache."""
-
-
-def check_prompt(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
-    """PromptTooLongError unless the prompt and the tokens asked for fit; a function of fixed numbers, so the
-    event loop checks it too (EngineClient.add_requests) without touching the engine."""
-    if num_prompt_tokens == 0:
-        raise PromptTooLongError("the prompt is empty: at least one token is needed")
-    needed = num_prompt_tokens + (params.max_tokens or 1)
-    if num_prompt_tokens >= max_model_len or needed > max_model_len:
-        raise PromptTooLongError(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and {params.max_tokens or 1} more were requested ({needed} in all)"
-        )
 
 
 class Engine:
@@ -67,7 +52,8 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        # Beam searches run their beams as ordinary requests; which beams live on is theirs to say.
+        self.beams = BeamSearches(self.scheduler, self.block_manager, self.max_model_len)
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
@@ -102,9 +88,8 @@ class Engine:
         lora_name: a loaded LoRA adapter to run with (UnknownLoraError if none is); None: the base model.
         media: the prompt's media items for a multimodal model's encoder (ValueError if it can't take
         them)."""
-        if request_id in self.requests or request_id in self.beam_groups:
+        if request_id in self.requests or request_id in self.beams.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(len(prompt_token_ids), params, self.max_model_len)
         if not 0 <= num_pinned_prompt_tokens <= len(prompt_token_ids):
             raise ValueError("num_pinned_prompt_tokens must be between 0 and the prompt's length")
         vocab_size = self.runner.info.vocab_size
@@ -122,7 +107,7 @@ class Engine:
         if params.use_beam_search:
             if constraint is not None:
                 raise ValueError("beam search can't follow a grammar (one constraint per beam is not kept)")
-            root = self._add_beam_search(request_id, prompt_token_ids, params, eos_token_ids, lora)
+            root = self.beams.add(request_id, prompt_token_ids, params, eos_token_ids, lora)
             _attach_media(root, media_prompt)
             return
         request = Request(
@@ -142,35 +127,9 @@ class Engine:
         else:
             self.scheduler.add(request)
 
-    def _add_beam_search(
-        self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids, lora
-    ) -> Request:
-        max_new_tokens = self.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            max_new_tokens = min(max_new_tokens, params.max_tokens)
-        # A group advances only when all its beams are computed at once, so all must fit together even
-        # unshared (after preemption a beam may recompute into blocks of its own); else it could never finish.
-        block_size = self.block_manager.block_size
-        needed = params.beam_width * -(-(len(prompt) + max_new_tokens) // block_size)
-        usable = self.max_model_len // block_size
-        if needed > usable:
-            raise PromptTooLongError(
-                f"beam search with {params.beam_width} beams of up to {len(prompt) + max_new_tokens} tokens "
-                f"needs {needed} KV blocks; the cache has {usable}: use fewer beams or a smaller max_tokens"
-            )
-        group = BeamSearchGroup(request_id, params, eos_token_ids, len(prompt), max_new_tokens)
-        root = Request(group.next_beam_id(), prompt, params, eos_token_ids, lora=lora)
-        group.add_root(root)
-        self.beam_groups[request_id] = group
-        self.scheduler.add(root)
-        return root
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        group = self.beam_groups.pop(request_id, None)
-        if group is not None:
-            for beam in group.running:
-                self.scheduler.finish(beam)
-            return self._beam_output(group, "abort")
+        if request_id in self.beams.groups:
+            return self.beams.abort(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -196,7 +155,7 @@ class Engine:
         finishing them first: an unload never cuts a generation short, and the caller decides when to retry."""
         card = self.loras.get(name)
         num_using = sum(1 for request in self.requests.values() if request.lora is card)
-        num_using += sum(1 for group in self.beam_groups.values() if group.root.lora is card)
+        num_using += self.beams.num_using(card)
         if num_using:
             raise LoraConflictError(
                 f"the LoRA adapter {name!r} is in use by {num_using} request(s); retry once they finish"
@@ -292,7 +251,7 @@ class Engine:
                 reported[request.beam_group.request_id] = request.beam_group
                 continue
             token_id = sampled.token_ids[row]
-            self._record_timing(request, batch_size, started, elapsed, now)
+            record_timing(request, batch_size, started, elapsed, now)
             request.append_token(token_id)
             if request.constraint is not None:
                 # NOTE: only here, for a freshly sampled token: recomputing after preemption samples nothing.
@@ -308,8 +267,8 @@ class Engine:
             outputs.append(self._output(request, [token_id], logprob))
         for group in reported.values():
             if group.all_reported:
-                self._record_timing(group, batch_size, started, elapsed, now)
-                output = self._advance_beams(group)
+                record_timing(group, batch_size, started, elapsed, now)
+                output = self.beams.advance(group)
                 if output is not None:
                     outputs.append(output)
         return outputs
@@ -328,70 +287,6 @@ class Engine:
             else:
                 self.scheduler.add(follower)  # no room in the batch: it queues, and finds the prefix cached
         leader.followers = []
-
-    def _advance_beams(self, group: BeamSearchGroup) -> RequestOutput | None:
-        """Carry out the group's choice: fork beams that continue more than once, drop the rest."""
-        plan = group.advance()
-        if plan.done:
-            for beam, _ in plan.continuations:
-                self.scheduler.finish(beam)  # finish() of a beam already finished is a no-op
-            for beam in plan.dropped:
-                self.scheduler.finish(beam)
-            del self.beam_groups[group.request_id]
-            return self._beam_output(group, None)
-        for beam in plan.dropped:
-            self.scheduler.finish(beam)
-        beams, parents = [], set()
-        for parent, _ in plan.continuations:
-            beams.append(self._fork_beam(group, parent) if parent.request_id in parents else parent)
-            parents.add(parent.request_id)
-        for beam, (_, token_id) in zip(beams, plan.continuations):
-            beam.append_token(token_id)  # after every fork: a fork copies its parent's context as it was
-        group.adopt(beams)
-        return None
-
-    def _fork_beam(self, group: BeamSearchGroup, parent: Request) -> Request:
-        child = Request(
-            group.next_beam_id(),
-            parent.prompt_token_ids,
-            parent.params,
-            tuple(parent.eos_token_ids),
-            lora=parent.lora,  # its blocks and its hash chain are the adapter's
-        )
-        child.token_ids = list(parent.token_ids)
-        # The same prompt: the same items (block keys) and runner state (positions, encoder rows).
-        child.media, child.media_prompt = parent.media, parent.media_prompt
-        if parent.status == RequestStatus.RUNNING:
-            self.block_manager.fork(parent, child, parent.num_computed_tokens)
-            self.scheduler.add_running(child)
-        else:
-            self.scheduler.add(child)  # the parent was preempted: the fork computes its context anew
-        return child
-
-    def _beam_output(self, group: BeamSearchGroup, finish_reason: str | None) -> RequestOutput:
-        beams = group.results() if finish_reason is None else []
-        return RequestOutput(
-            request_id=group.request_id,
-            new_token_ids=[],
-            new_logprobs=None,
-            num_prompt_tokens=group.num_prompt_tokens,
-            num_cached_tokens=group.root.num_cached_tokens,
-            num_output_tokens=sum(len(b.token_ids) for b in beams),
-            finished=True,
-            finish_reason=finish_reason or (beams[0].finish_reason if beams else "length"),
-            metrics=group.metrics,
-            beams=beams,
-        )
-
-    def _record_timing(self, request: Request, batch_size: int, started: float, elapsed: float, now: float):
-        m = request.metrics
-        m.batch_sizes.append(batch_size)
-        m.queue_wait_us.append(max(0, int((started - request.last_token_time) * 1e6)))
-        if request.num_output_tokens == 0:
-            m.first_token_time = now
-        else:
-            m.decode_time_ms.append(elapsed * 1000.0)
-        request.last_token_time = now
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs) -> RequestOutput:
         return RequestOutput(

@@ -103,11 +103,19 @@ class Embed:
 
 
 @dataclass(frozen=True)
+class Flush:
+    """Answered (with None) once every command sent before it is handled: a synchronous caller's aborts are
+    done when it returns (the offline LLM)."""
+
+    reply: asyncio.Future
+
+
+@dataclass(frozen=True)
 class Stop:
     """The last command: the requests in flight fail with EngineDeadError and the engine thread ends."""
 
 
-Command = AddRequests | AbortRequest | LoadLora | UnloadLora | Embed | Stop
+Command = AddRequests | AbortRequest | LoadLora | UnloadLora | Embed | Flush | Stop
 
 
 # ---- events: engine thread -> one request's stream (besides engine/outputs.py's RequestOutput)

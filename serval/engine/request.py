@@ -157,3 +157,16 @@ def sampling_row(request: Request) -> SamplingRow:
             request.constraint.allowed_token_bitmask() if request.constraint is not None else None
         ),
     )
+
+
+def record_timing(request, batch_size: int, started: float, elapsed: float, now: float) -> None:
+    """A token of `request` (or of a beam search: BeamSearchGroup has the same timing fields) was made by the
+    step that started at `started` and took `elapsed` seconds, in a batch of `batch_size` sequences."""
+    m = request.metrics
+    m.batch_sizes.append(batch_size)
+    m.queue_wait_us.append(max(0, int((started - request.last_token_time) * 1e6)))
+    if request.num_output_tokens == 0:
+        m.first_token_time = now
+    else:
+        m.decode_time_ms.append(elapsed * 1000.0)
+    request.last_token_time = now

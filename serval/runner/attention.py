@@ -74,22 +74,15 @@ class AttentionMetadata:
             return cls._build_decode_only(
                 num_computed_tokens, block_tables, block_size, device, decode_kernel
             )
-        num_seqs = len(num_new_tokens)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)  # (num_seqs, max_blocks), padded with 0
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables = _padded_tables(block_tables)  # (num_seqs, max_blocks), padded with 0
         new = torch.tensor(num_new_tokens)
         computed = torch.tensor(num_computed_tokens)
         context = new + computed
-        # Every context position of every sequence as a slot: (num_seqs, max_context_len); padding -> slot 0.
-        max_context = int(context.max())
-        positions = torch.arange(max_context).expand(num_seqs, max_context)
-        in_context = positions < context[:, None]
-        slots = tables.gather(1, (positions // block_size).clamp(max=max_blocks - 1)) * block_size
-        slots = torch.where(in_context, slots + positions % block_size, 0)
-        is_new = in_context & (positions >= computed[:, None])
-        slot_mapping = slots[is_new]  # row-major: each sequence's new tokens in order
+        slots, in_context = _context_slots(tables, context, block_size)
+        positions = torch.arange(slots.shape[1])
+        slot_mapping = slots[
+            in_context & (positions >= computed[:, None])
+        ]  # each sequence's new tokens in order
 
         decode_rows_t = decode_slots = decode_mask = decode_tables = decode_lens = None
         is_decode = new == 1
@@ -105,16 +98,9 @@ class AttentionMetadata:
                 decode_mask = in_context[is_decode, :max_len][:, None, None, :].to(device)
         native_prefills = None
         prefills: list[PrefillSlice] = []
-        is_prefill = new > 1
-        if prefill_kernel is not None and bool(is_prefill.any()):
-            starts = new.cumsum(0) - new
-            native_prefills = NativePrefills(
-                block_tables=tables[is_prefill].to(device),
-                query_starts=starts[is_prefill].to(device),
-                query_lens=new[is_prefill].to(device),
-                context_lens=context[is_prefill].to(device),
-            )
-        elif bool(is_prefill.any()):
+        if prefill_kernel is not None and bool((new > 1).any()):
+            native_prefills = _native_prefills(tables, new, context, device)
+        elif bool((new > 1).any()):
             prefills = _sdpa_prefills(num_new_tokens, num_computed_tokens, slots, device)
         return cls(
             slot_mapping=slot_mapping.to(device),
@@ -160,6 +146,41 @@ class AttentionMetadata:
             block_size=block_size,
             is_decode_only=True,
         )
+
+
+def _padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """(num_seqs, max_blocks) block ids, each row padded with 0."""
+    tables = torch.zeros(len(block_tables), max(len(t) for t in block_tables), dtype=torch.long)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    return tables
+
+
+def _context_slots(
+    tables: torch.Tensor, context: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every context position of every sequence as a cache slot, (num_seqs, max_context_len) with padding at
+    slot 0, and which positions are in a sequence's context."""
+    num_seqs, max_blocks = tables.shape
+    max_context = int(context.max())
+    positions = torch.arange(max_context).expand(num_seqs, max_context)
+    in_context = positions < context[:, None]
+    slots = tables.gather(1, (positions // block_size).clamp(max=max_blocks - 1)) * block_size
+    return torch.where(in_context, slots + positions % block_size, 0), in_context
+
+
+def _native_prefills(
+    tables: torch.Tensor, new: torch.Tensor, context: torch.Tensor, device: torch.device
+) -> NativePrefills:
+    """The prefill chunks' rows (those with more than one new token) for the native prefill kernel."""
+    is_prefill = new > 1
+    starts = new.cumsum(0) - new
+    return NativePrefills(
+        block_tables=tables[is_prefill].to(device),
+        query_starts=starts[is_prefill].to(device),
+        query_lens=new[is_prefill].to(device),
+        context_lens=context[is_prefill].to(device),
+    )
 
 
 def _sdpa_prefills(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +14,7 @@ from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention import AttentionMetadata
 from serval.runner.batch import Batch, SamplerOutput
+from serval.runner.info import RunnerInfo
 from serval.runner.kernels import load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.gguf_pack import NativeRepack
@@ -24,60 +24,6 @@ from serval.runner.media import MediaInput, MediaPrompt, media_step
 from serval.runner.parallel.shard import TensorParallelPart, plan_shard, sharded_checkpoint
 from serval.runner.pooling import pool, read_pooling
 from serval.runner.sampler import Sampler
-
-
-@dataclass(frozen=True)
-class RunnerInfo:
-    """What the engine needs to know about the runner to plan: sizes, not tensors."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    dtype: str
-    device: str
-    max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
-    architecture: str = ""  # e.g. "LlamaForCausalLM"
-    weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
-    kernel_variant: str = "none"  # the native CPU kernels in use (kernels.VARIANTS' names), or none
-    packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
-    # How packed 4-bit matmuls take x (every batch on AVX2, past 8 rows with AVX-512-VNNI), in effect:
-    # "int8" (x rounded per block, the default where the kernels have it) or "float32" (exact products: asked
-    # for, or no packed weights or int8 kernel).
-    batch_activations: str = "float32"
-    num_threads: int = 1  # per rank under tensor parallelism
-    tensor_parallel_size: int = 1  # processes the model is split over (runner/parallel/)
-    # An embedding model's pooling (runner/pooling.py: "lasttoken", "mean", "cls", "max") and whether its
-    # vectors are L2-normalized; None: a generative model.
-    pooling: str | None = None
-    normalizes_embeddings: bool = False
-    hidden_size: int = 0  # the width of an embedding model's vectors
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def describe(self) -> str:
-        """The one start-up line that says what is being served and how."""
-        return (
-            f"{self.architecture}, weights {self.weight_format}{self._packed_text()},"
-            f" compute dtype {self.dtype} on {self.device},"
-            f" CPU kernels {self.kernel_variant}, {self.num_threads} threads{self._parallel_text()},"
-            f" KV cache {self.kv_cache_tokens}"
-            f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
-        )
-
-    def _packed_text(self) -> str:
-        if not self.packed_weights:
-            return ""
-        return " (packed, int8 batch activations)" if self.batch_activations == "int8" else " (packed)"
-
-    def _parallel_text(self) -> str:
-        return (
-            ""
-            if self.tensor_parallel_size == 1
-            else f" in each of {self.tensor_parallel_size} tensor-parallel ranks"
-        )
 
 
 def cpu_has_native_bf16() -> bool:
@@ -127,15 +73,7 @@ class ModelRunner:
         """tensor_parallel: this process is one rank of a split model (runner/parallel/): it loads, computes
         and caches only its rank's heads and MLP slice, and all-reduces each block half's output."""
         self.device = resolve_device(model_config.device)
-        checkpoint = open_checkpoint(source)
-        # The whole model's shape: the KV budget is the whole model's, so every rank gets the same block count.
-        self.full_arch = checkpoint.arch
-        self.tensor_parallel_size = 1
-        if tensor_parallel is not None:
-            self.check_can_split(checkpoint.arch, lora_config)
-            shard = plan_shard(checkpoint.arch, tensor_parallel.rank, tensor_parallel.world_size)
-            checkpoint = sharded_checkpoint(checkpoint, shard)
-            self.tensor_parallel_size = tensor_parallel.world_size
+        checkpoint = self._open_checkpoint(source, lora_config, tensor_parallel)
         self.arch = checkpoint.arch
         # An embedding model (runner/pooling.py): embed() pools its final hidden states.
         self.pooling = None if source.is_gguf else read_pooling(source.path)
@@ -146,23 +84,7 @@ class ModelRunner:
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        use_quantized = keeps_packed_weights(
-            model_config.dtype, self.dtype, kernels, checkpoint.has_packable_weights
-        )
-        self.model = load_model(
-            self.arch,
-            checkpoint.read_weights,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            pack_low_bit=use_quantized,
-            # The packed kernels serve every batch size, so the dense copies of packed matrices are dead
-            # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
-            release_packed_dense=use_quantized,
-            packable_names=checkpoint.packable_names,
-            repack=None if kernels is None else NativeRepack.of(kernels),
-            block_types=checkpoint.block_types,
-        )
+        self.model = self._load_model(checkpoint, model_config.dtype, kernels)
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes
@@ -195,6 +117,38 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
+
+    def _open_checkpoint(
+        self, source: ModelSource, lora_config: LoraConfig | None, tensor_parallel: TensorParallelPart | None
+    ):
+        """The checkpoint's reader, cut to this rank's slice when the model is split."""
+        checkpoint = open_checkpoint(source)
+        # The whole model's shape: the KV budget is the whole model's, so every rank gets the same block count.
+        self.full_arch = checkpoint.arch
+        self.tensor_parallel_size = 1
+        if tensor_parallel is not None:
+            self.check_can_split(checkpoint.arch, lora_config)
+            shard = plan_shard(checkpoint.arch, tensor_parallel.rank, tensor_parallel.world_size)
+            checkpoint = sharded_checkpoint(checkpoint, shard)
+            self.tensor_parallel_size = tensor_parallel.world_size
+        return checkpoint
+
+    def _load_model(self, checkpoint, dtype_name: str, kernels) -> torch.nn.Module:
+        use_quantized = keeps_packed_weights(dtype_name, self.dtype, kernels, checkpoint.has_packable_weights)
+        return load_model(
+            self.arch,
+            checkpoint.read_weights,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            pack_low_bit=use_quantized,
+            # The packed kernels serve every batch size, so the dense copies of packed matrices are dead
+            # weight (2 or 4 bytes a weight against the codes' 0.56-1.06): the model keeps the file's size.
+            release_packed_dense=use_quantized,
+            packable_names=checkpoint.packable_names,
+            repack=None if kernels is None else NativeRepack.of(kernels),
+            block_types=checkpoint.block_types,
+        )
 
     @property
     def info(self) -> RunnerInfo:

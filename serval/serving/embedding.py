@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from serval.serving.errors import InvalidRequestError, from_engine
 
 if TYPE_CHECKING:
+    from serval.engine.client import RunnerInfo
+    from serval.serving.text_threads import TextThreads
     from serval.serving.tokenizer import Tokenizer
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
@@ -52,14 +54,20 @@ async def embed(
     inputs: list[str | list[int]],
     dimensions: int | None,
     tokenizer: Tokenizer,
-    encode: Callable[[list[str]], Awaitable[list[list[int]]]],
+    text_threads: TextThreads,
     run: Callable[[list[list[int]]], Awaitable[list[list[float]]]],
-    hidden_size: int,
-    normalize: bool,
+    info: RunnerInfo,
     max_model_len: int,
 ) -> tuple[list[list[float]], int]:
-    """(one vector per input, the prompt tokens in all). encode: texts -> ids (off the event loop when long);
-    run: the engine's embed."""
+    """(one vector per input, the prompt tokens in all). text_threads: where long texts are tokenized (off the
+    event loop); run: the engine's embed; info: the served model's facts (a generative one is refused)."""
+    if info.pooling is None:
+        raise InvalidRequestError(
+            f"{info.architecture or 'this model'} is a generative model, not an embedding model (its "
+            "directory has no sentence-transformers modules.json with a Pooling module)",
+            "model",
+        )
+    hidden_size, normalize = info.hidden_size, info.normalizes_embeddings
     if len(inputs) > MAX_INPUTS:
         raise InvalidRequestError(
             f"input holds {len(inputs)} items; at most {MAX_INPUTS} are allowed", "input"
@@ -68,7 +76,8 @@ async def embed(
         raise InvalidRequestError(
             f"dimensions ({dimensions}) is more than this model's {hidden_size}", "dimensions"
         )
-    texts = iter(await encode([item for item in inputs if isinstance(item, str)]))
+    texts = [item for item in inputs if isinstance(item, str)]
+    texts = iter(await text_threads.run(sum(map(len, texts)), _encode, tokenizer, texts))
     prompts = [next(texts) if isinstance(item, str) else list(item) for item in inputs]
     check_prompts(prompts, tokenizer.vocab_size, max_model_len)
     try:
@@ -76,3 +85,7 @@ async def embed(
     except Exception as e:  # translated once, for the HTTP layer
         raise from_engine(e) from e
     return [truncated(v, dimensions, normalize) for v in vectors], sum(map(len, prompts))
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode_with_post_processor(text) for text in texts]

@@ -5,25 +5,24 @@ text), the answer's shape for chat (serving/chat.py: tools in the prompt, the gr
 submission, the reasoning and tool-call parsers), building each API request's GenerationRequest
 (serving/generation.py: prompt rules, fan-out, stop strings, best_of), and running it on the event loop:
 admitting its engine requests together, reading their outputs from one queue, the request deadline and a
-shutdown's grace period (serving/drain.py). The HTTP layer above only parses, authenticates and frames.
+shutdown's grace period (serving/drain.py; the running itself is serving/run.py's). The HTTP layer above
+only parses, authenticates and frames.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from serval.engine.client import EngineClient, EngineStats, RunnerInfo
-from serval.engine.messages import RequestFailed
 from serval.sampling import SamplingParams
 from serval.serving import embedding
 from serval.serving.chat import ChatOptions, ChatPrompt, grammar_spec, prepare_messages, template_thinks
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError
 from serval.serving.client_text import CacheSpan, Segment
-from serval.serving.drain import CUT_OFF, Drain
-from serval.serving.errors import InvalidRequestError, from_engine, from_failure
+from serval.serving.drain import Drain
+from serval.serving.errors import InvalidRequestError
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
 from serval.serving.harmony import STRUCTURE_TOKENS, budget_end, prompt_message
@@ -34,6 +33,7 @@ from serval.serving.media.parts import MediaKind, MediaPart, check_accepted
 from serval.serving.media.processor import MediaItem, MediaProcessor, MediaSpan
 from serval.serving.output import OutputPlan
 from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
+from serval.serving.run import run_requests
 from serval.serving.segment_encoding import answer_start, encode_segments
 from serval.serving.stream import Completion, Event, fold
 from serval.serving.structured import GrammarCompiler
@@ -117,8 +117,8 @@ class Frontend:
         lora_name: str | None = None,
     ) -> GenerationRequest:
         """A chat request, rendered, tokenized, its grammar compiled and its sequences planned; raises a
-        ServingError (a 4xx) before anything reaches the engine."""
-        self.check_num_sequences(1, params, "messages")  # before the template and a grammar compile
+        ServingError (a 4xx) before anything reaches the engine. The caller has checked the number of
+        sequences (check_num_sequences)."""
         items: list[MediaItem] = []
         if prompt.media:
             assert self.media_processor is not None, "check_media refuses media without a processor"
@@ -137,8 +137,8 @@ class Frontend:
         lora_name: str | None = None,
         echo: bool = False,
     ) -> GenerationRequest:
-        """A completions request: text prompts tokenized, token prompts checked, sequences planned."""
-        self.check_num_sequences(len(prompts), params, "prompt")  # before tokenizing thousands of prompts
+        """A completions request: text prompts tokenized, token prompts checked, sequences planned (their
+        number checked by the caller: check_num_sequences)."""
         for prompt in prompts:
             if not isinstance(prompt, str):
                 self.check_token_ids(prompt, "prompt")
@@ -315,29 +315,17 @@ class Frontend:
         return self.rules.resolve_max_tokens(num_prompt_tokens, requested, param)
 
     def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
+        """--max-seqs-per-request: checked once, where the API parses a request (before its messages' checks,
+        a template render, a grammar compile or tokenizing thousands of prompts), not again when planning."""
         self.rules.check_num_sequences(num_prompts, params, param)
 
     async def embed(
         self, inputs: list[str | list[int]], dimensions: int | None
     ) -> tuple[list[list[float]], int]:
         """An embedding model's vectors of the inputs, and their prompt tokens (serving/embedding.py)."""
-        info = self.runner_info
-        if info.pooling is None:
-            raise InvalidRequestError(
-                f"{info.architecture or 'this model'} is a generative model, not an embedding model (its "
-                "directory has no sentence-transformers modules.json with a Pooling module)",
-                "model",
-            )
-
-        def encode(texts: list[str]) -> list[list[int]]:
-            return [self.tokenizer.encode_with_post_processor(text) for text in texts]
-
-        async def encode_off_loop(texts: list[str]) -> list[list[int]]:
-            return await self.text_threads.run(sum(map(len, texts)), encode, texts)
-
         return await embedding.embed(
-            inputs, dimensions, self.tokenizer, encode_off_loop, self.engine.embed, info.hidden_size,
-            info.normalizes_embeddings, self.max_model_len,
+            inputs, dimensions, self.tokenizer, self.text_threads, self.engine.embed, self.runner_info,
+            self.max_model_len,
         )  # fmt: skip
 
     # ---- running a request
@@ -356,49 +344,11 @@ class Frontend:
         for an adapter unloaded meanwhile, ...) is raised at the first event, before anything reaches the
         engine. The request timeout and the end of a shutdown's grace period (serving/drain.py) cut every
         choice off with what it has."""
-        # One queue for every engine request of this request (the engine thread fills it); a refusal on the
-        # engine thread arrives on it as a RequestFailed, raised once here as a ServingError.
-        queue: asyncio.Queue = asyncio.Queue()
-        self.drain.register(queue)  # ShuttingDownError once the grace period is over
-        try:
-            streams = self.engine.add_requests(request.new_requests, queue)
-        except Exception as e:  # translated once, for the HTTP layer
-            self.drain.unregister(queue)
-            raise from_engine(e) from e
-        stream_of = {stream.request_id: stream for stream in streams}
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        try:
-            while not request.is_finished:
-                try:
-                    remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                    event = await asyncio.wait_for(queue.get(), remaining)
-                except TimeoutError:
-                    event = CUT_OFF
-                if event is CUT_OFF:
-                    deltas = request.cut_off()
-                else:
-                    stream = stream_of[event.request_id]
-                    stream.note(event)
-                    if isinstance(event, RequestFailed):
-                        raise from_failure(event)
-                    deltas, is_cut_short = request.feed(event)
-                    if is_cut_short:
-                        stream.close()  # a stop string matched: abort the engine request
-                for delta in deltas:
-                    if observe is not None:
-                        observe(delta)
-                    yield delta
-            usage = request.usage()
-            if observe is not None:
-                observe(usage)
-            yield usage
-        finally:
-            # NOTE: no awaiting here: under a cancelled scope (a client that went away) every await would be
-            # cancelled again. Closing a stream aborts its engine request unless it finished.
-            self.drain.unregister(queue)
-            for stream in streams:
-                stream.close()
+        async with contextlib.aclosing(
+            run_requests(self.engine, self.drain, [request], timeout, observe)
+        ) as run:
+            async for _, event in run:
+                yield event
 
     async def result(
         self,

@@ -6,7 +6,7 @@ into engine requests (n / best_of sequences or a beam search per prompt, serving
 folded into each choice's text events (serving/stream.py: detokenizer, stop strings, reasoning and tool-call
 parsers), which engine request to abort when a stop string ends it early, the usage, and the best n of
 best_of. It does no I/O: the server drives it on the event loop (Frontend.stream), the offline LLM drives it
-synchronously over Engine.step() (serval/llm.py), so the two cannot drift apart.
+through the same serving/run.py (serval/entrypoints/llm.py), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ class PromptRules:
         return min(cap for cap in caps if cap is not None)
 
     def check_num_sequences(self, num_prompts: int, params: SamplingParams, param: str) -> None:
-        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences)."""
+        """InvalidRequestError past --max-seqs-per-request (choices.check_num_sequences). Run once per request,
+        where the API parses it (Frontend.check_num_sequences), before any costly work: `plan` does not repeat
+        it."""
         check_num_sequences(num_prompts, params, self.max_seqs_per_request, param)
 
     def plan(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list[SequencePlan]:
-        """One engine request per (prompt, sequence); raises InvalidRequestError before anything is sent."""
-        self.check_num_sequences(len(prompts), params, param)
+        """One engine request per (prompt, sequence); raises InvalidRequestError (a prompt the context or the
+        deployment refuses) before anything is sent."""
         return plan_sequences(
             prompts, params, lambda prompt: self.resolve_max_tokens(len(prompt), params.max_tokens, param)
         )

@@ -17,7 +17,7 @@ What must hold:
   server (which holds the engine's torch threads): the forkserver has imported xgrammar and torch but run
   nothing, so a new worker costs a fork, not a two-second import, and its pages are shared. The forkserver
   and its preload list are the stdlib's, one per server process. Like any spawn or forkserver child, a worker
-  imports the parent's main module (`serval.cli`: argument parsing, nothing runs), so a script that builds a
+  imports the parent's main module (`serval.entrypoints.cli`: argument parsing, nothing runs), so a script that builds a
   GrammarCompiler keeps its work under `if __name__ == "__main__":`.
 """
 

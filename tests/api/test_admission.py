@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from serval.cli import build_parser, merged_options, server_config
+from serval.entrypoints.cli import build_parser, merged_options, server_config
 from tests.api.conftest import MODEL
 from tests.api.invalid_cases import check_error
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from serval.cli import build_parser, byte_size, engine_config, merged_options, server_config
+from serval.entrypoints.cli import build_parser, engine_config, merged_options, server_config
+from serval.entrypoints.cli_options import byte_size
 from serval.server_config import GIB, ServerConfig, read_mindie_config
 
 MINDIE = {

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serval.cli import build_parser, merged_options
+from serval.entrypoints.cli import build_parser, merged_options
 from serval.server_config import CorsConfig, cors_config
 
 ALLOWED = "https://app.example"

@@ -24,6 +24,26 @@ MODEL = "m"
 LONG_TEXT = long_text(3 << 20)
 
 
+class SignallingTextThreads(TextThreads):
+    """The real TextThreads, which also sets `started` once the work of a long text has begun (in a worker
+    thread, unless a regression runs it on the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+
+    async def run(self, num_chars: int, fn, *args, **kwargs):
+        if num_chars <= self.inline_chars:
+            return await super().run(num_chars, fn, *args, **kwargs)
+        loop = asyncio.get_running_loop()
+
+        def signalled():
+            loop.call_soon_threadsafe(self.started.set)
+            return fn(*args, **kwargs)
+
+        return await super().run(num_chars, signalled)
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_source(resolve_model(None))
@@ -32,7 +52,9 @@ def tokenizer() -> Tokenizer:
 async def answered_in_order(tokenizer: Tokenizer, path: str, body: dict) -> tuple[list[str], httpx.Response]:
     """POST the long body, then (once it is under way) GET /health and /v1/models; the order they finish."""
     config = ServerConfig(served_model_names=(MODEL,))
-    app = build_app(config, Frontend(FakeEngine(["ok"]), tokenizer, tokenizer.chat_template))
+    frontend = Frontend(FakeEngine(["ok"]), tokenizer, tokenizer.chat_template)
+    frontend.text_threads = text_threads = SignallingTextThreads()
+    app = build_app(config, frontend)
     finished: list[str] = []
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as client:
@@ -43,7 +65,8 @@ async def answered_in_order(tokenizer: Tokenizer, path: str, body: dict) -> tupl
             return response
 
         long = asyncio.create_task(call("long", "POST", path, json=body))
-        await asyncio.sleep(0.5)  # the long request is parsed and being rendered or tokenized
+        # Until the long request is parsed and being rendered or tokenized (60 s bounds a failure).
+        await asyncio.wait_for(text_threads.started.wait(), 60)
         health = await call("health", "GET", "/health")
         models = await call("models", "GET", "/v1/models")
         response = await long

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from serval.cli import build_parser, engine_config, merged_options, server_config
 from serval.config import LoraConfig, LoraModule
+from serval.entrypoints.cli import build_parser, engine_config, merged_options, server_config
 from serval.server_config import read_mindie_config
 
 

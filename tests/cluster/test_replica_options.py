@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from serval.cli import replica_config
 from serval.cluster.config import ReplicaConfig
 from serval.cluster.wire import block_hashes
+from serval.entrypoints.cli import replica_config
 
 
 def test_no_replicas_flag_means_no_replica_set():
@@ -52,7 +52,7 @@ def test_block_hashes_name_equal_heads_equally():
 
 def test_the_single_process_server_never_imports_ray():
     code = (
-        "import sys, serval.cli, serval.serving.frontend, serval.api.app, serval.cluster.config;"
+        "import sys, serval.entrypoints.cli, serval.serving.frontend, serval.api.app, serval.cluster.config;"
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,13 +8,16 @@ one running request at a time, a one-request queue, a short request timeout and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -22,6 +25,7 @@ import pytest
 
 from tests.e2e.helpers import die_with_parent
 
+SERVAL = [sys.executable, "-m", "serval.entrypoints.cli"]  # the `serval` command, in this interpreter
 STARTUP_TIMEOUT_S = 240
 API_KEYS = ("key-one", "key-two")
 DEPLOY_MODEL = "smol"
@@ -40,27 +44,35 @@ class Server:
     port: int
     log_path: str
     model: str = ""
+    tls: ssl.SSLContext | None = None  # when it speaks HTTPS: a context that trusts its certificate
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def log_tail(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()[-4000:]
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until /health answers 200; RuntimeError with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                response = httpx.get(f"{self.base_url}/health", timeout=1, verify=self.tls or True)
+                if response.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+            time.sleep(0.3)  # a poll interval, not a wait for something to happen
+        raise RuntimeError(f"the server did not start in {timeout_s}s:\n{self.log_tail()}")
+
+    def served_model(self, headers: dict | None = None) -> str:
+        """The first model /v1/models lists."""
+        response = httpx.get(f"{self.base_url}/v1/models", headers=headers, verify=self.tls or True)
+        return response.json()["data"][0]["id"]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -72,12 +84,36 @@ class Server:
                 self.process.wait()
 
 
-def launch(args: list[str], log_path: str) -> Server:
+@contextlib.contextmanager
+def running_server(
+    args: list[str],
+    log_path: str | os.PathLike,
+    *,
+    wait: bool = True,
+    timeout_s: float = STARTUP_TIMEOUT_S,
+    tls: ssl.SSLContext | None = None,
+    program: list[str] = SERVAL,
+    stdout_to_log: bool = True,
+) -> Iterator[Server]:
+    """A real `serval serve` (args after --host/--port) on a free loopback port, ready (/health answers) unless
+    wait is False (then the caller waits, so that several servers load at once); stopped by its pid when the
+    block ends, whether the test passed or not."""
     port = free_port()
-    command = [sys.executable, "-m", "serval.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509 (one prctl call)
-    return Server(process, port, log_path)
+    command = [*program, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:  # stderr, and stdout too unless stdout_to_log is False
+        process = subprocess.Popen(
+            command,
+            stdout=log if stdout_to_log else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if stdout_to_log else log,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 (one prctl call)
+        )
+    server = Server(process, port, str(log_path), tls=tls)
+    try:
+        if wait:
+            server.wait_ready(timeout_s)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -96,17 +132,15 @@ def _servers(tmp_path_factory):
     config_path.write_text(json.dumps(config))
     # fp32: the tests compare greedy outputs of a request alone and inside a batch, and bf16 matrix kernels
     # are not bitwise batch-invariant (docs/architecture.md); the bf16 path has its own tests.
-    main = launch(["--log-level", "warning", "--dtype", "float32"], str(directory / "main.log"))
+    main_args = ["--log-level", "warning", "--dtype", "float32"]
     deploy_args = ["--config", str(config_path), "--log-level", "warning"]
     for key in API_KEYS:
         deploy_args += ["--api-key", key]
-    deploy = launch(deploy_args, str(directory / "deploy.log"))
-    servers = {"main": main, "deploy": deploy}
-    try:
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+    with (
+        running_server(main_args, directory / "main.log", wait=False) as main,
+        running_server(deploy_args, directory / "deploy.log", wait=False) as deploy,
+    ):
+        yield {"main": main, "deploy": deploy}
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +148,7 @@ def server(_servers) -> Server:
     server = _servers["main"]
     server.wait_ready()
     if not server.model:
-        server.model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+        server.model = server.served_model()
     return server
 
 
@@ -145,14 +179,9 @@ def keyed_server(tmp_path_factory) -> Server:
     template.write_text(THINKING_TEMPLATE)
     args = ["--api-key", KEYED_API_KEY, "--allowed-origins", json.dumps([KEYED_ORIGIN]), "--allow-credentials",
             "--dtype", "float32", "--chat-template", str(template)]  # fmt: skip
-    server = launch(args, str(directory / "keyed.log"))
-    try:
-        server.wait_ready()
-        headers = {"Authorization": f"Bearer {KEYED_API_KEY}"}
-        server.model = httpx.get(f"{server.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
+    with running_server(args, directory / "keyed.log") as server:
+        server.model = server.served_model(headers={"Authorization": f"Bearer {KEYED_API_KEY}"})
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

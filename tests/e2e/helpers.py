@@ -9,12 +9,15 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 
 # prctl, looked up here rather than in the forked child: dlopen's lock may be held by another thread at fork.
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 
 def die_with_parent() -> None:
@@ -47,14 +50,30 @@ def metric(base_url: str, name: str, headers: dict | None = None) -> float:
     return float(match.group(1))
 
 
-def wait_until_idle(base_url: str, headers: dict | None = None, timeout: float = 20.0) -> None:
-    """Until no request runs or waits and no KV block is in use (the engine frees blocks at its next step)."""
+def wait_for(read: Callable[[], T], is_done: Callable[[T], bool], timeout: float, what: str) -> T:
+    """Poll read() until is_done holds of its value, and return that value. `timeout` bounds a failure (an
+    AssertionError naming `what` and the last value); it is no window the state must come within."""
     deadline = time.monotonic() + timeout
     while True:
-        running = metric(base_url, "serval_num_requests_running", headers)
-        waiting = metric(base_url, "serval_num_requests_waiting", headers)
-        usage = metric(base_url, "serval_kv_cache_usage_perc", headers)
-        if running == waiting == usage == 0:
-            return
-        assert time.monotonic() < deadline, f"still busy: running={running} waiting={waiting} kv={usage}"
+        value = read()
+        if is_done(value):
+            return value
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s, the last read was {value!r}"
         time.sleep(0.1)
+
+
+def wait_until_idle(
+    base_url: str, headers: dict | None = None, timeout: float = 20.0, kv_usage: float = 0.0
+) -> None:
+    """Until no request runs or waits and no more of the KV cache than kv_usage is in use (none by default; the
+    engine frees blocks at its next step)."""
+
+    def read() -> dict[str, float]:
+        names = ("serval_num_requests_running", "serval_num_requests_waiting", "serval_kv_cache_usage_perc")
+        return {name: metric(base_url, name, headers) for name in names}
+
+    def is_idle(values: dict[str, float]) -> bool:
+        running, waiting, usage = values.values()
+        return running == waiting == 0 and usage <= kv_usage
+
+    wait_for(read, is_idle, timeout, "idle")

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 from tests.e2e.helpers import metric, wait_until_idle
 
 # A real server process with the default model: minutes, not seconds.
@@ -28,13 +28,9 @@ def small_queue(tmp_path_factory):
     # One sequence runs at a time, so a few requests fill the queue.
     args = ["--log-level", "warning", "--max-num-seqs", "1", "--max-queue-len", str(CAP),
             "--max-seqs-per-request", str(CAP)]  # fmt: skip
-    server = launch(args, str(tmp_path_factory.mktemp("admission") / "server.log"))
-    try:
-        server.wait_ready()
-        server.model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    with running_server(args, tmp_path_factory.mktemp("admission") / "server.log") as server:
+        server.model = server.served_model()
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

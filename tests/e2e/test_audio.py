@@ -18,7 +18,7 @@ import torch
 
 from serval.serving.media.decode import decode_audio
 from serval.serving.media.limits import MediaConfig
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 from tests.fixtures.tiny_audio import AUDIO_PAD, SAMPLE_RATE, clip, encode_audio
 
 pytestmark = pytest.mark.slow
@@ -42,13 +42,9 @@ def audio_server(tiny_audio_factory, tmp_path_factory):
         "--log-level",
         "warning",
     ]
-    server = launch(args, str(log))
-    try:
-        server.wait_ready()
+    with running_server(args, log) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, directory, reference
-    finally:
-        server.stop()
 
 
 def input_audio(data: bytes, fmt: str = "wav") -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-SERVAL = [sys.executable, "-m", "serval.cli", "serve", "--port", "1"]
+SERVAL = [sys.executable, "-m", "serval.entrypoints.cli", "serve", "--port", "1"]
 
 
 def _run(model: str) -> subprocess.CompletedProcess:

@@ -47,7 +47,7 @@ def test_another_origin_gets_no_grant(keyed_server):
 
 
 def test_the_wildcard_origin_with_credentials_is_refused_at_start():
-    command = [sys.executable, "-m", "serval.cli", "serve", "--port", "1", "--allowed-origins", '["*"]',
+    command = [sys.executable, "-m", "serval.entrypoints.cli", "serve", "--port", "1", "--allowed-origins", '["*"]',
                "--allow-credentials"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2

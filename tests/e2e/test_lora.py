@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.api.invalid_cases import check_error
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 from tests.e2e.helpers import sse_chunks, wait_until_idle
 
 BASE = "tiny"
@@ -41,17 +41,11 @@ def lora_server(tmp_path_factory, tiny_model_factory, tiny_lora_factory, lora_ro
     directory, _ = tiny_model_factory("llama", False)
     full_path, _ = tiny_lora_factory("full")
     log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
-    server = launch(
-        ["--model", directory, "--served-model-name", BASE, "--dtype", "float32", "--lora-modules",
-         f"full={full_path}", "--max-loras", "2", "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY,
-         "--lora-root", lora_root, "--num-kv-blocks", "64", "--log-level", "warning"],
-        str(log_path),
-    )  # fmt: skip
-    try:
-        server.wait_ready()
+    args = ["--model", directory, "--served-model-name", BASE, "--dtype", "float32", "--lora-modules",
+            f"full={full_path}", "--max-loras", "2", "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY,
+            "--lora-root", lora_root, "--num-kv-blocks", "64", "--log-level", "warning"]  # fmt: skip
+    with running_server(args, log_path) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +186,7 @@ def test_a_bad_startup_adapter_stops_the_server_with_one_line(tiny_model_factory
     import sys
 
     directory, _ = tiny_model_factory("llama", False)
-    command = [sys.executable, "-m", "serval.cli", "serve", "--port", "1", "--model", directory, "--dtype",
+    command = [sys.executable, "-m", "serval.entrypoints.cli", "serve", "--port", "1", "--model", directory, "--dtype",
                "float32", "--lora-modules", f"bad={tmp_path}"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode != 0

@@ -9,7 +9,7 @@ import pytest
 
 from serval.sampling import SamplingParams
 from serval.serving.errors import InvalidRequestError
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 96
@@ -26,16 +26,10 @@ def tiny(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny):
     log_path = tmp_path_factory.mktemp("parity-server") / "server.log"
-    server = launch(
-        ["--model", tiny, "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64",
-         "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"],
-        str(log_path),
-    )  # fmt: skip
-    try:
-        server.wait_ready()
+    args = ["--model", tiny, "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64",
+            "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"]  # fmt: skip
+    with running_server(args, log_path) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    from serval.llm import LLM
+    from serval.entrypoints.llm import LLM
 
     return LLM(tiny, dtype="float32", **ENGINE_FLAGS)
 

@@ -6,17 +6,17 @@ model, fp32). The fault test kills a replica process mid-load and runs last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import launch
-from tests.e2e.helpers import metric
+from tests.e2e.conftest import running_server
+from tests.e2e.helpers import metric, wait_for, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +28,27 @@ def _health(base_url: str) -> dict:
     return httpx.get(base_url + "/health", timeout=10).json()
 
 
+def _health_or_none(base_url: str) -> dict:
+    try:
+        return _health(base_url)
+    except httpx.HTTPError:
+        return {}
+
+
 def _wait_for_replicas(base_url: str, num: int, timeout: float, exclude_pids: frozenset[int] = frozenset()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            health = _health(base_url)
-            pids = {r["pid"] for r in health.get("replicas", [])}
-            if len(pids) == num and not pids & exclude_pids:
-                return health
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{num} replicas (not {sorted(exclude_pids)}) not up in {timeout}s")
+    def is_up(health: dict) -> bool:
+        pids = {r["pid"] for r in health.get("replicas", [])}
+        return len(pids) == num and not pids & exclude_pids
+
+    return wait_for(
+        lambda: _health_or_none(base_url), is_up, timeout, f"{num} replicas (not {sorted(exclude_pids)})"
+    )
+
+
+def _kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -47,34 +56,19 @@ def replicas(tmp_path_factory, server):
     directory = tmp_path_factory.mktemp("replicas")
     args = ["--log-level", "warning", "--dtype", "float32", "--replicas", "2", "--replica-threads", "1",
             "--kv-cache-memory-bytes", "256MiB"]  # fmt: skip
-    replica_server = launch(args, str(directory / "replicas.log"))
-    pids: set[int] = set()
-    try:
-        deadline = time.monotonic() + REPLICA_STARTUP_S
-        while True:
-            if replica_server.process.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{replica_server.log_tail()}")
-            try:
-                if httpx.get(replica_server.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, replica_server.log_tail()
-            time.sleep(0.5)
+    pids: set[int] = set()  # every replica pid seen, killed at teardown if still alive
+    with contextlib.ExitStack() as stack:
+        stack.callback(_kill_all, pids)  # after the server stops: Ray stops them with it; this is a backstop
+        replica_server = stack.enter_context(
+            running_server(args, directory / "replicas.log", timeout_s=REPLICA_STARTUP_S)
+        )
         health = _wait_for_replicas(replica_server.base_url, 2, 60)
         pids.update(r["pid"] for r in health["replicas"])
         # --replica-threads 1, as torch counts its threads inside each replica process.
         assert [r["num_threads"] for r in health["replicas"]] == [1, 1], health
         replica_server.model = server.model
-        replica_server.pids = pids  # every replica pid seen, killed at teardown if still alive
+        replica_server.pids = pids
         yield replica_server
-    finally:
-        replica_server.stop()
-        for pid in pids:  # Ray stops them with the server; this is only a backstop
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _complete(base_url: str, model: str, prompt: str, **extra) -> dict:
@@ -125,10 +119,18 @@ def test_shared_prefix_lands_on_the_replica_that_caches_it(replicas):
     # Every request after the first found the shared head cached: all went where it was computed.
     assert cached[0] == 0 or cached[0] < cached[1]
     assert all(c >= 128 for c in cached[1:]), cached
-    time.sleep(3)  # both replicas report again
-    after = {r["id"]: r["num_prefix_cache_hits"] for r in _health(replicas.base_url)["replicas"]}
-    gains = sorted(after[i] - before.get(i, 0) for i in after)
-    assert gains[0] == 0 and gains[-1] >= sum(cached[1:]), (before, after)
+
+    def hits() -> dict[str, int]:
+        return {r["id"]: r["num_prefix_cache_hits"] for r in _health(replicas.base_url)["replicas"]}
+
+    def gains(after: dict[str, int]) -> list[int]:
+        return sorted(after[i] - before.get(i, 0) for i in after)
+
+    # Reports come by polls, one replica at a time: until both replicas' reports are in and one shows the hits.
+    after = wait_for(
+        hits, lambda after: len(after) == 2 and gains(after)[-1] >= sum(cached[1:]), 60, "the hits reported"
+    )
+    assert gains(after)[0] == 0 and gains(after)[-1] >= sum(cached[1:]), (before, after)
     # /metrics is the sum over the replicas (idle now, so both reads see the same reports).
     assert metric(replicas.base_url, "serval_prefix_cache_hits_total") == sum(after.values())
 
@@ -150,8 +152,14 @@ def test_cache_control_pins_on_a_replica_and_the_next_turn_hits_them(replicas):
     second = ask("And chapter two?")
     # Routed to the replica holding the pin: a hit, and nothing pinned anew (elsewhere it would pin again).
     assert second["cached_tokens"] >= created and second["cache_creation_input_tokens"] == 0
-    time.sleep(3)  # both replicas report again
-    assert metric(replicas.base_url, "serval_kv_cache_pinned_blocks") == created // 16
+    # Until the pinning replica's report is in (polled, one replica at a time).
+    pinned = wait_for(
+        lambda: metric(replicas.base_url, "serval_kv_cache_pinned_blocks"),
+        lambda pinned: pinned == created // 16,
+        60,
+        "the pinned blocks reported",
+    )
+    assert pinned == created // 16
 
 
 def test_bad_input_is_a_4xx_from_the_ingress(replicas):
@@ -168,23 +176,27 @@ def test_bad_input_is_a_4xx_from_the_ingress(replicas):
         assert set(response.json()["error"]) >= {"message", "type", "code"}
 
 
-def _wait_until_back_to(base_url: str, kv_usage: float, timeout: float = 30.0) -> None:
-    """Until nothing runs or waits and the KV cache holds no more than `kv_usage` (pins of earlier tests stay)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        running = metric(base_url, "serval_num_requests_running")
-        waiting = metric(base_url, "serval_num_requests_waiting")
-        usage = metric(base_url, "serval_kv_cache_usage_perc")
-        if running == waiting == 0 and usage <= kv_usage:
-            return
-        assert time.monotonic() < deadline, f"still busy: running={running} waiting={waiting} kv={usage}"
-        time.sleep(0.2)
+def _idle_kv_usage(base_url: str) -> float:
+    """The KV cache's usage once both replicas report being idle: nothing running or waiting, and no block in use
+    but the pins of earlier tests."""
+
+    def read() -> dict:
+        names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_free_blocks",
+                 "kv_cache_total_blocks", "kv_cache_pinned_blocks")  # fmt: skip
+        return {name: metric(base_url, f"serval_{name}") for name in names}
+
+    def is_idle(m: dict) -> bool:
+        return (
+            len(_health(base_url)["replicas"]) == 2
+            and m["num_requests_running"] == m["num_requests_waiting"] == 0
+            and m["kv_cache_total_blocks"] - m["kv_cache_free_blocks"] == m["kv_cache_pinned_blocks"]
+        )
+
+    return wait_for(read, is_idle, 60, "both replicas idle")["kv_cache_usage_perc"]
 
 
 def test_disconnect_aborts_the_request_on_its_replica(replicas):
-    _wait_until_back_to(replicas.base_url, 1.0)
-    time.sleep(3)  # both replicas report again
-    before = metric(replicas.base_url, "serval_kv_cache_usage_perc")
+    before = _idle_kv_usage(replicas.base_url)
     body = {"model": replicas.model, "prompt": "Tell a long story.", "stream": True, "max_tokens": 2000,
             "ignore_eos": True, "n": 2}  # fmt: skip
     with httpx.stream("POST", replicas.base_url + "/v1/completions", json=body, timeout=60) as response:
@@ -193,17 +205,19 @@ def test_disconnect_aborts_the_request_on_its_replica(replicas):
         assert sum(line.startswith("data: ") for line in received) == 6, received
         # Until a report of the replica running them arrives (reports are polled, one replica at a time, and a
         # busy one-thread replica on a loaded machine answers its poll late).
-        deadline = time.monotonic() + 60
-        while metric(replicas.base_url, "serval_num_requests_running") != 2:
-            assert time.monotonic() < deadline, "no replica reported the two running requests"
-            time.sleep(0.2)
-    _wait_until_back_to(
-        replicas.base_url, before, timeout=60
-    )  # the replica aborted both and freed their blocks
+        wait_for(
+            lambda: metric(replicas.base_url, "serval_num_requests_running"),
+            lambda num: num == 2,
+            60,
+            "a replica's report of the two running requests",
+        )
+    # The replica aborted both and freed their blocks.
+    wait_until_idle(replicas.base_url, timeout=60, kv_usage=before)
 
 
-def _stream_outcome(base_url: str, body: dict, outcomes: list) -> None:
-    """One streamed request: ("ok"), or ("error", status, error body) for an HTTP error or an SSE error event."""
+def _stream_outcome(base_url: str, body: dict, outcomes: list, started: threading.Event) -> None:
+    """One streamed request: ("ok"), or ("error", status, error body) for an HTTP error or an SSE error event.
+    `started` is set once its first token came (or once it ended without one)."""
     try:
         with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
             if response.status_code != 200:
@@ -213,9 +227,12 @@ def _stream_outcome(base_url: str, body: dict, outcomes: list) -> None:
                 if line.startswith("data: {") and '"error"' in line[:20]:
                     outcomes.append(("error", 200, json.loads(line[len("data: ") :])["error"]))
                     return
+                started.set()
             outcomes.append(("ok",))
     except httpx.HTTPError as e:
         outcomes.append(("transport", repr(e)))
+    finally:
+        started.set()
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(replicas):
@@ -223,13 +240,17 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(replicas):
     old_pids = frozenset(r["pid"] for r in health["replicas"])
     outcomes: list = []
     threads = []
+    started = [threading.Event() for _ in range(8)]
     for i in range(8):
         body = {"model": replicas.model, "prompt": f"Story number {i}:", "stream": True, "max_tokens": 48,
                 "ignore_eos": True, "temperature": 0.0}  # fmt: skip
-        thread = threading.Thread(target=_stream_outcome, args=(replicas.base_url, body, outcomes))
+        thread = threading.Thread(
+            target=_stream_outcome, args=(replicas.base_url, body, outcomes, started[i])
+        )
         thread.start()
         threads.append(thread)
-    time.sleep(1.5)  # mid-load: requests are running on both replicas
+    for event in started:  # mid-load: every request has its first token (they run on both replicas)
+        assert event.wait(timeout=120), "a request had no token in 120 s"
     victim = min(old_pids)
     os.kill(victim, signal.SIGKILL)
     # The endpoint keeps answering meanwhile (the other replica, or the request sent again).

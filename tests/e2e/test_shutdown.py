@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
+from tests.e2e.helpers import wait_for
 
 # Real server processes with the default model: minutes, not seconds.
 pytestmark = pytest.mark.slow
@@ -25,20 +26,20 @@ EXIT_MARGIN_S = 5.0  # after the grace: the cut streams' last chunks, the engine
 def servers(tmp_path_factory):
     """Both started at once (the model loads overlap); each test ends its own with SIGTERM."""
     directory = tmp_path_factory.mktemp("shutdown")
-    servers = {
-        "long": launch(["--shutdown-grace-seconds", "120"], str(directory / "long.log")),
-        "short": launch(["--shutdown-grace-seconds", str(SHORT_GRACE_S)], str(directory / "short.log")),
-    }
-    try:
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+    long_args, short_args = (
+        ["--shutdown-grace-seconds", "120"],
+        ["--shutdown-grace-seconds", str(SHORT_GRACE_S)],
+    )
+    with (
+        running_server(long_args, directory / "long.log", wait=False) as long,
+        running_server(short_args, directory / "short.log", wait=False) as short,
+    ):
+        yield {"long": long, "short": short}
 
 
 def start_stream(server, max_tokens: int):
     server.wait_ready()
-    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    model = server.served_model()
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     return client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -60,8 +61,8 @@ def read_after_sigterm(server, stream) -> tuple[list, float]:
     assert first.choices[0].text is not None
     os.kill(server.process.pid, signal.SIGTERM)
     signalled = time.monotonic()
-    time.sleep(0.5)  # uvicorn notices the signal within 0.1 s
-    assert new_request_status(server) in ("refused", "503")
+    # uvicorn notices the signal within 0.1 s; from then on a new request is refused.
+    wait_for(lambda: new_request_status(server), lambda status: status in ("refused", "503"), 10, "refusing")
     return list(chunks), signalled  # an exception here would be a dropped connection
 
 

@@ -18,8 +18,7 @@ import textwrap
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, free_port
-from tests.e2e.helpers import die_with_parent
+from tests.e2e.conftest import running_server
 
 # A real server process with the default model.
 pytestmark = pytest.mark.slow
@@ -28,27 +27,15 @@ PRELUDE = "import transformers.modeling_utils, sys; assert 'triton' in sys.modul
 
 
 def test_server_summary_line_and_a_quiet_exit(tmp_path):
-    port = free_port()
-    code = PRELUDE + "from serval.cli import main; main(sys.argv[1:])"
-    command = [sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--max-num-seqs", "7", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+    program = [sys.executable, "-c", PRELUDE + "from serval.entrypoints.cli import main; main(sys.argv[1:])"]
+    args = ["--max-num-seqs", "7", "--dtype", "float32", "--log-level", "warning"]
     stderr_path = tmp_path / "stderr.log"
-    with open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            preexec_fn=die_with_parent,  # noqa: PLW1509 (one prctl call)
-        )
-    server = Server(process, port, str(stderr_path))
-    try:
-        server.wait_ready()
+    with running_server(args, stderr_path, program=program, stdout_to_log=False) as server:
         version = httpx.get(server.base_url + "/version", timeout=10).json()
-        with open(f"/proc/{process.pid}/maps") as maps:
+        with open(f"/proc/{server.process.pid}/maps") as maps:
             assert "libtriton" in maps.read()  # the condition the quiet exit is tested under
-    finally:
-        os.kill(process.pid, signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        os.kill(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
     stderr = stderr_path.read_text()
     assert "nanobind" not in stderr and "leaked" not in stderr, stderr[-3000:]
     [line] = [line for line in stderr.splitlines() if " INFO serval: model " in line]
@@ -59,7 +46,7 @@ def test_server_summary_line_and_a_quiet_exit(tmp_path):
         f" KV cache {version['kv_cache_tokens']} tokens ("
     )
     assert expected in line
-    assert line.endswith(f", up to 7 sequences at once, serving on http://127.0.0.1:{port}")
+    assert line.endswith(f", up to 7 sequences at once, serving on {server.base_url}")
     # Not a terminal: no progress bar's carriage returns in the log.
     assert "\r" not in stderr
 

@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from serval import LLM, SamplingParams
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 from tests.fixtures.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -20,13 +20,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def split_server(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("tp") / "server.log")
-    server = launch(["-tp", "2", "--dtype", "float32", "--max-model-len", "1024"], log_path)
-    try:
-        server.wait_ready()
+    log_path = tmp_path_factory.mktemp("tp") / "server.log"
+    with running_server(["-tp", "2", "--dtype", "float32", "--max-model-len", "1024"], log_path) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _worker_pid(log: str) -> int:

@@ -24,7 +24,7 @@ from tests.e2e.helpers import wait_until_idle
 # A real server process with the default model.
 pytestmark = pytest.mark.slow
 
-SERVAL = [sys.executable, "-m", "serval.cli"]
+SERVAL = [sys.executable, "-m", "serval.entrypoints.cli"]
 MAX_TOKENS = 12
 TIMING = re.compile(r"\[TTFT \d+\.\d\d s, (\d+) tokens(, [\d.]+ tokens/s)?(, \d+ cached prompt tokens)?\]")
 AUTH = {"Authorization": f"Bearer {KEYED_API_KEY}"}
@@ -131,7 +131,7 @@ def test_a_bad_key_is_one_clear_line(keyed_server, command):
 # `serval chat` exec'd with SIGINT ignored (an ignored disposition survives exec; the pid stays the same).
 SERVAL_SIGINT_IGNORED = [
     sys.executable, "-c", ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
-    " os.execv(sys.executable, [sys.executable, '-m', 'serval.cli', *sys.argv[1:]])"),
+    " os.execv(sys.executable, [sys.executable, '-m', 'serval.entrypoints.cli', *sys.argv[1:]])"),
 ]  # fmt: skip
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,36 +23,15 @@ def test_https_with_a_self_signed_certificate(tiny_model_factory, tmp_path):
          "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True,
     )  # fmt: skip
-    server = launch(
-        [
-            "--model",
-            directory,
-            "--ssl-keyfile",
-            str(key),
-            "--ssl-certfile",
-            str(cert),
-            "--log-level",
-            "warning",
-        ],
-        str(tmp_path / "tls.log"),
-    )
+    args = ["--model", directory, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--log-level", "warning"]  # fmt: skip
     trust = ssl.create_default_context(cafile=str(cert))
-    try:
-        url = f"https://127.0.0.1:{server.port}"
-        for _ in range(200):
-            try:
-                if httpx.get(f"{url}/health", verify=trust, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if server.process.poll() is not None:
-                    pytest.fail(server.log_tail())
-                time.sleep(0.3)
-        body = {"model": httpx.get(f"{url}/v1/models", verify=trust).json()["data"][0]["id"],
+    # Ready once /health answers over HTTPS, with the certificate trusted.
+    with running_server(args, tmp_path / "tls.log", tls=trust) as server:
+        url = server.base_url
+        body = {"model": server.served_model(),
                 "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}  # fmt: skip
         response = httpx.post(f"{url}/v1/chat/completions", json=body, verify=trust, timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] <= 4
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is refused
             httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=2).raise_for_status()
-    finally:
-        server.stop()

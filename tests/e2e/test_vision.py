@@ -18,7 +18,7 @@ from serval.serving.media.decode import decode_image, decode_video
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.processor import read_resize_bounds
 from serval.serving.media.qwen2_vl import Qwen2VLProcessor
-from tests.e2e.conftest import launch
+from tests.e2e.conftest import running_server
 from tests.fixtures.tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from tests.serving.media.files import video_bytes
 
@@ -55,13 +55,9 @@ def vl_server(tiny_vl_factory, tmp_path_factory):
         "--log-level",
         "warning",
     ]
-    server = launch(args, str(log))
-    try:
-        server.wait_ready()
+    with running_server(args, log) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, directory, reference
-    finally:
-        server.stop()
 
 
 def ask(client, *parts):

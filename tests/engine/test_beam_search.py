@@ -145,7 +145,7 @@ def test_beams_share_prompt_blocks_by_reference(engine, monkeypatch):
     params = SamplingParams(n=4, temperature=0.0, max_tokens=8, use_beam_search=True, ignore_eos=True)
     engine.add_request("shared", PROMPT, params)
     engine.step()  # the prompt, then the first choice of 4 beams
-    group = engine.beam_groups["shared"]
+    group = engine.beams.groups["shared"]
     assert len(group.running) == 4
     first_block = group.running[0].block_ids[0]
     assert all(beam.block_ids[0] == first_block for beam in group.running)

@@ -65,7 +65,7 @@ def test_followers_of_an_aborted_leader_compute_the_prompt_themselves(engine):
 
 
 def test_offline_llm_best_of_and_beam_search(tiny_model_factory):
-    from serval.llm import LLM
+    from serval.entrypoints.llm import LLM
 
     llm = LLM(tiny_model_factory("llama")[0], dtype="float32", num_kv_blocks=64)
     prompt = {"prompt_token_ids": PROMPTS["partial-block"]}

@@ -51,13 +51,23 @@ class FakeEngine:
     """An EngineClient double: each request 'generates' the bytes of a scripted text, one token per step,
     then EOS; seeds pick the text, so n choices differ. Records aborted requests, and which LoRA adapter each
     request asked for; `load_lora` takes any existing directory as an adapter. encode: text -> the ids to
-    generate (a real tokenizer's, so special tokens are generated as such); default one per UTF-8 byte."""
+    generate (a real tokenizer's, so special tokens are generated as such); default one per UTF-8 byte.
+    stall_after: a request generates that many tokens, then nothing until it is closed (so only a deadline or a
+    shutdown's cut-off can end it)."""
 
-    def __init__(self, texts: list[str], max_model_len: int = 256, delay: float = 0.0, encode=None) -> None:
+    def __init__(
+        self,
+        texts: list[str],
+        max_model_len: int = 256,
+        delay: float = 0.0,
+        encode=None,
+        stall_after: int | None = None,
+    ) -> None:
         self.texts = texts
         self.encode = encode or (lambda text: list(text.encode()))
         self.max_model_len = max_model_len
         self.delay = delay
+        self.stall_after = stall_after
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.is_queue_full = False
@@ -168,6 +178,8 @@ class FakeStream:
         metrics = RequestMetrics(arrival_time=0.0)
         try:
             for step, token_id in enumerate(ids):
+                if step == engine.stall_after:
+                    await asyncio.Event().wait()  # never set: closing the stream cancels the task feeding it
                 await asyncio.sleep(engine.delay)
                 last = step == len(ids) - 1
                 metrics.batch_sizes.append(1)

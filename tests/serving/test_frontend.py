@@ -14,7 +14,7 @@ from tests.serving.fakes import ByteTokenizer, FakeEngine
 
 
 def make(texts: list[str], **kwargs) -> tuple[Frontend, FakeEngine]:
-    engine = FakeEngine(texts, delay=kwargs.pop("delay", 0.0))
+    engine = FakeEngine(texts, delay=kwargs.pop("delay", 0.0), stall_after=kwargs.pop("stall_after", None))
     return Frontend(engine, ByteTokenizer(), **kwargs), engine
 
 
@@ -103,23 +103,23 @@ def test_logprobs_carry_token_text_and_bytes():
 
 
 def test_deadline_cuts_off_with_length():
-    frontend, engine = make(["x" * 100], delay=0.01)
-    result = run(frontend.complete("r", [[1]], SamplingParams(max_tokens=200), timeout=0.1))
+    # The engine stalls after 5 tokens: nothing but the deadline can end the request.
+    frontend, engine = make(["x" * 100], stall_after=5)
+    result = run(frontend.complete("r", [[1]], SamplingParams(max_tokens=200), timeout=0.5))
     assert result.choices[0].finish_reason == "length"
     assert 0 < len(result.choices[0].text) < 100
     assert engine.aborted == ["r-0"]
 
 
 def test_closing_the_stream_aborts_every_engine_request():
-    frontend, engine = make(["x" * 100], delay=0.001)
+    frontend, engine = make(["x" * 100], stall_after=5)  # neither choice can end before the close
 
     async def read_some():
         events = frontend.generate("r", [[1]], SamplingParams(n=2, seed=1, max_tokens=200))
         async for event in events:
             if isinstance(event, ChoiceDelta):
                 break
-        await events.aclose()
-        await asyncio.sleep(0.05)
+        await events.aclose()  # the engine requests are aborted before aclose returns
 
     run(read_some())
     assert sorted(engine.aborted) == ["r-0", "r-1"]

@@ -290,14 +290,7 @@ def iter_gguf_weights(
     # dequantizing, not after
     _architecture(reader)
     names = [hf_matrix_names(tensor) for tensor in reader.tensors]
-    unsupported = [t for t in reader.tensors if not is_supported(t.tensor_type)]
-    if unsupported:
-        first = unsupported[0]
-        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise UnsupportedQuantizationError(
-            f"{path}: tensor {first.name} (and {len(unsupported) - 1} more) has type {first.tensor_type.name},"
-            f" which is not supported; supported types: {supported}"
-        )
+    _check_types(path, reader)
     config = config_from_reader(reader)
     is_permuted = metadata_value(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
     # rows of q_proj are grouped by query head, rows of k_proj by key/value head
@@ -332,3 +325,15 @@ def iter_gguf_weights(
                 )
             yield name, weight
         reader.release_pages(tensor.data_offset, tensor.n_bytes)  # every result owns its memory
+
+
+def _check_types(path: str, reader: GGUFFile) -> None:
+    """UnsupportedQuantizationError naming the first tensor of a type the loader can't read."""
+    unsupported = [t for t in reader.tensors if not is_supported(t.tensor_type)]
+    if unsupported:
+        first = unsupported[0]
+        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise UnsupportedQuantizationError(
+            f"{path}: tensor {first.name} (and {len(unsupported) - 1} more) has type {first.tensor_type.name},"
+            f" which is not supported; supported types: {supported}"
+        )

@@ -64,18 +64,7 @@ def packed_from_blocks(
     packed into the fused matrix's buffers, and the whole (still filling) is returned."""
     rows, cols = shape
     if repack is not None:
-        if heads is not None:  # whole rows of blocks move: the same order unpermute_rows gives the values
-            data = data[unpermute_rows(torch.arange(rows), heads).numpy()]
-        with warnings.catch_warnings():  # a read-only view of the file mapping: the kernel only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
-        target = repack.join_target(name, cols) if repack.join_target is not None else None
-        if target is not None:  # a shard of a fused matrix: packed straight into its rows of the whole
-            joined, first_group = target
-            buffers = [joined.codes, joined.scales, joined.offsets, joined.super_scales]
-            repack.pack_into(raw, int(qtype), rows, cols, buffers, first_group)
-            return joined
-        return _packed_weight(rows, *repack.pack(raw, int(qtype), rows, cols))
+        return _packed_natively(data, qtype, shape, heads, repack, name)
     step = max(GROUP, _PACK_CHUNK_WEIGHTS // cols // GROUP * GROUP)
     if heads is not None or rows <= step:  # un-permuting moves rows across the whole matrix
         codes = block_codes(data, qtype, shape)
@@ -111,6 +100,30 @@ def packed_from_blocks(
             if piece.numel():
                 whole[first : first + piece.shape[0]] = piece
     return result
+
+
+def _packed_natively(
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, int],
+    heads: int | None,
+    repack: NativeRepack,
+    name: str,
+) -> PackedWeight:
+    """packed_from_blocks through the native kernels: one pass over the bytes."""
+    rows, cols = shape
+    if heads is not None:  # whole rows of blocks move: the same order unpermute_rows gives the values
+        data = data[unpermute_rows(torch.arange(rows), heads).numpy()]
+    with warnings.catch_warnings():  # a read-only view of the file mapping: the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1))
+    target = repack.join_target(name, cols) if repack.join_target is not None else None
+    if target is not None:  # a shard of a fused matrix: packed straight into its rows of the whole
+        joined, first_group = target
+        buffers = [joined.codes, joined.scales, joined.offsets, joined.super_scales]
+        repack.pack_into(raw, int(qtype), rows, cols, buffers, first_group)
+        return joined
+    return _packed_weight(rows, *repack.pack(raw, int(qtype), rows, cols))
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

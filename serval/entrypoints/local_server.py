@@ -32,7 +32,7 @@ class LocalServer:
     def start(cls, model: str | None, dtype: str = "auto") -> LocalServer:
         import uvicorn
 
-        from serval.cli import build_frontend_app, start_engine
+        from serval.entrypoints.wiring import build_frontend_app, start_engine
 
         engine = EngineConfig(model=ModelConfig(model=model, dtype=dtype))
         source = resolve_model(model)

@@ -7,15 +7,14 @@ is), prepared by the model's MediaProcessor, and its run of placeholder ids repl
 placeholder of its kind in the prompt (`<|vision_start|><|image_pad|><|vision_end|>`,
 `<|audio_bos|><|AUDIO|><|audio_eos|>`: what the model's chat template writes), as vLLM expands them; and (2)
 `chat` messages: parsed by the API's own rules (api/chat_messages.py, api/media_parts.py) and rendered, loaded and
-placed by serving's Frontend, so a conversation gets the ids an HTTP chat request of it gets.
+placed by serving's Frontend (the LLM's own, over its engine), so a conversation gets the ids an HTTP chat
+request of it gets.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,24 +115,11 @@ def _float_wav(samples: Sequence[float] | np.ndarray, sample_rate: int) -> io.By
     return file
 
 
-@dataclass
-class _EngineInfo:
-    """What Frontend reads of its engine when it only renders and tokenizes (the offline LLM's chat)."""
-
-    max_model_len: int
-
-
-def offline_frontend(max_model_len: int, tokenizer, media_processor: MediaProcessor | None):
-    """A Frontend that renders, tokenizes and loads media for chat, with no engine client behind it."""
-    from serval.serving.frontend import Frontend
-
-    return Frontend(_EngineInfo(max_model_len), tokenizer, media_processor=media_processor)
-
-
-def chat_prompt(
+async def chat_prompt(
     frontend, model: str, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs
-):
-    """One conversation's prompt ids, output plan and media spans, as the HTTP chat route makes them."""
+) -> tuple[list[int], OutputPlan, tuple[MediaSpan, ...]]:
+    """One conversation's prompt ids, output plan and media spans, as the HTTP chat route makes them (on the
+    event loop the frontend runs on)."""
     from serval.api import chat_messages
     from serval.api.media_parts import chat_media_parts
     from serval.api.openai import ChatMessage
@@ -147,10 +133,6 @@ def chat_prompt(
         template_messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
         template_kwargs=template_kwargs, media=media,
     )  # fmt: skip
-
-    async def prepare() -> tuple[list[int], OutputPlan, int, tuple[MediaSpan, ...]]:
-        items = await frontend.media.load(media, frontend.media_processor) if media else []
-        return await frontend.prepare_chat(prompt, ChatOptions(), items)
-
-    token_ids, plan, _, spans = asyncio.run(prepare())
+    items = await frontend.media.load(media, frontend.media_processor) if media else []
+    token_ids, plan, _, spans = await frontend.prepare_chat(prompt, ChatOptions(), items)
     return token_ids, plan, spans

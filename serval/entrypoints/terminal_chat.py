@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from serval.chat_client import DEFAULT_URL, Answer, APIClient, ChatError
+from serval.entrypoints.chat_client import DEFAULT_URL, Answer, APIClient, ChatError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 BLOCK = '"""'
@@ -53,7 +53,7 @@ def connect(args: argparse.Namespace) -> Iterator[tuple[APIClient, str]]:
     local = None
     url = args.url
     if args.model is not None:
-        from serval.local_server import LocalServer
+        from serval.entrypoints.local_server import LocalServer
 
         local = LocalServer.start(args.model, args.dtype)
         url = local.url

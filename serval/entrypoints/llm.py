@@ -3,32 +3,40 @@
 `LLM.chat(messages)` renders conversations (media parts included) as the chat route does, and a prompt's
 `multi_modal_data` (images, audio) is placed as vLLM places it (llm_media.py).
 
-A synchronous driver over the server's own serving code: each prompt becomes a serving GenerationRequest
+A synchronous client of the server's own pipeline: each prompt becomes a serving GenerationRequest
 (serving/generation.py: the prompt rules and max_tokens resolution, the n / best_of / beam fan-out, the
-incremental detokenizer and stop strings, the best n of best_of), and the Engine runs in the caller's thread
-(no server, no event loop) instead of behind EngineClient. So a prompt gets the same tokens, text, finish
-reason, usage and refusal message here as through the HTTP API.
+incremental detokenizer and stop strings, the best n of best_of), and all of one call's requests are run
+together by serving/run.py over an EngineClient, on an event loop of the LLM's own (offline_loop.py), so a
+call works inside a running event loop too (Jupyter). So a prompt gets the same tokens, text, finish reason,
+usage and refusal message here as through the HTTP API.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from serval.engine.engine import Engine
+from serval.engine.loading import build_engine
 from serval.engine.outputs import TokenLogprob
+from serval.entrypoints.llm_media import chat_prompt, multi_modal_prompt
+from serval.entrypoints.offline_loop import OfflineLoop
 from serval.lifetime import freeze_long_lived_objects
-from serval.llm_media import chat_prompt, multi_modal_prompt, offline_frontend
 from serval.sampling import SamplingParams
-from serval.serving.errors import from_engine
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.processor import media_processor_for
-from serval.serving.stream import ChoiceResult, Fold, LogprobEntry, Usage
+from serval.serving.run import run_requests
+from serval.serving.stream import ChoiceResult, Event, Fold, LogprobEntry, Usage
 from serval.serving.tokenizer import Tokenizer
+
+# Every prompt of a call is admitted at once (all or none), and a batch job may hand over many thousands: the
+# offline LLM has no waiting-queue limit to refuse them against.
+OFFLINE_MAX_QUEUE_LEN = 2**31 - 1
 
 
 @dataclass
@@ -88,17 +96,20 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_queue_len=OFFLINE_MAX_QUEUE_LEN,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
-        self.engine = Engine(config)
+        self.engine = build_engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
         source = self.engine.source
         # A multimodal checkpoint's processor (its preprocessor_config.json); None for a text-only model.
         self.media_processor = None if source.is_gguf else media_processor_for(source.path)
         self.media_config = MediaConfig()
-        self._frontend = None  # serving's Frontend, for chat (built on first use)
+        self._loop: OfflineLoop | None = None  # the pipeline: started by the first generate or chat
+        self._close_loop = None
         self.model_name = os.path.basename(os.path.normpath(source.path))  # as refusals name it
         # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
         # sequence limit): the context alone bounds a prompt and its answer.
@@ -106,9 +117,22 @@ class LLM:
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
 
+    @property
+    def pipeline(self) -> OfflineLoop:
+        """The server's pipeline over this LLM's engine, started on first use: until then `engine` is the
+        caller's to drive directly (bench/decode_step.py), from then on its engine thread's."""
+        if self._loop is None:
+            self._loop = OfflineLoop(self.engine, self.tokenizer, self.media_processor)
+            # Its threads hold the engine: they stop when this LLM is collected (or at exit), not later.
+            self._close_loop = weakref.finalize(self, self._loop.close)
+        return self._loop
+
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot run after this)."""
-        self.engine.runner.close()
+        """Stop the engine thread and the tensor-parallel workers, if any (the engine cannot run after this)."""
+        if self._close_loop is not None:
+            self._close_loop()
+        else:
+            self.engine.runner.close()
 
     def generate(
         self,
@@ -155,12 +179,17 @@ class LLM:
         )
         if len(params_list) != len(conversations):
             raise ValueError("sampling_params must be one SamplingParams or one per conversation")
-        if self._frontend is None:
-            self._frontend = offline_frontend(self.engine.max_model_len, self.tokenizer, self.media_processor)
+        pipeline = self.pipeline
         requests = []
         for conversation, params in zip(conversations, params_list):
-            ids, plan, spans = chat_prompt(
-                self._frontend, self.model_name, conversation, add_generation_prompt, chat_template_kwargs
+            ids, plan, spans = pipeline.run(
+                chat_prompt(
+                    pipeline.frontend,
+                    self.model_name,
+                    conversation,
+                    add_generation_prompt,
+                    chat_template_kwargs,
+                )
             )
             requests.append(self._request([ids], params, "messages", output_plan=plan, media_spans=spans))
         return self._generate(requests, [None] * len(requests), use_tqdm)
@@ -176,14 +205,15 @@ class LLM:
     def _generate(
         self, requests: list[GenerationRequest], texts: list[str | None], use_tqdm: bool
     ) -> list[GenerationOutput]:
-        self._add(requests)
-        try:
-            folds = self._run(requests, use_tqdm)
-        except BaseException:  # a failed step, Ctrl-C: leave nothing running
-            for request in requests:
-                for new in request.new_requests:
-                    self.engine.abort_request(new.request_id)
-            raise
+        """Run every request together (admitted all or none, as one API request's sequences are)."""
+        pipeline = self.pipeline
+        total = sum(len(request.choices) for request in requests)
+        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
+
+            def observe(event: Event) -> None:
+                bar.update(int(getattr(event, "finish_reason", None) is not None))
+
+            folds = pipeline.run(_folds(pipeline, requests, observe))
         return [
             _generation_output(request, text, fold) for request, text, fold in zip(requests, texts, folds)
         ]
@@ -195,41 +225,15 @@ class LLM:
             prompt = prompt["prompt"]
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)  # as the server's completions
 
-    def _add(self, requests: list[GenerationRequest]) -> None:
-        """Add every engine request of every prompt, or (one refused) none: those added are aborted."""
-        added: list[str] = []
-        try:
-            for request in requests:
-                for new in request.new_requests:
-                    self.engine.add_request(
-                        new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, new.constraint,
-                        new.num_pinned_prompt_tokens, new.share_prompt_with, lora_name=new.lora_name,
-                        media=new.media,
-                    )  # fmt: skip
-                    added.append(new.request_id)
-        except Exception as e:
-            for request_id in added:
-                self.engine.abort_request(request_id)
-            raise from_engine(e) from e
 
-    def _run(self, requests: list[GenerationRequest], use_tqdm: bool) -> list[Fold]:
-        """Step the engine until every request is done; each request's events folded as the server folds them."""
-        owner = {new.request_id: i for i, request in enumerate(requests) for new in request.new_requests}
-        folds = [Fold() for _ in requests]
-        total = sum(len(request.choices) for request in requests)
-        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests() and not all(r.is_finished for r in requests):
-                for output in self.engine.step():
-                    i = owner[output.request_id]
-                    deltas, is_cut_short = requests[i].feed(output)
-                    if is_cut_short:
-                        self.engine.abort_request(output.request_id)  # a stop string matched
-                    for delta in deltas:
-                        folds[i].add(delta)
-                        bar.update(int(delta.finish_reason is not None))
-        for request, fold in zip(requests, folds):
-            fold.add(request.usage())
-        return folds
+async def _folds(pipeline: OfflineLoop, requests: list[GenerationRequest], observe) -> list[Fold]:
+    """Each request's events folded as the server folds them (its deltas, then its usage)."""
+    folds = [Fold() for _ in requests]
+    run = run_requests(pipeline.client, pipeline.frontend.drain, requests, observe=observe)
+    async with contextlib.aclosing(run) as events:
+        async for i, event in events:
+            folds[i].add(event)
+    return folds
 
 
 def _generation_output(request: GenerationRequest, prompt: str | None, fold: Fold) -> GenerationOutput:

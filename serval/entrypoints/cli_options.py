@@ -174,3 +174,100 @@ def add_parallel_options(p: argparse.ArgumentParser) -> None:
         help="split the model over N processes, each holding 1/N of the attention heads and of the MLP "
         "(default 1; docs/deploy/tensor-parallel.md)",
     )
+
+
+def add_serve_parser(subparsers) -> None:
+    """The `serve` sub-command and every flag of it, in the order --help lists them."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_server_options(p)
+    _add_model_options(p)
+    _add_limit_options(p)
+    _add_request_options(p)
+    add_grammar_options(p)
+    add_responses_store_options(p)
+    add_parallel_options(p)
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    add_cors_options(p)
+    add_lora_options(p)
+    add_media_options(p)
+    add_replica_options(p)
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    """What is served, where, to whom."""
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    p.add_argument("--config", help="a MindIE-style config.json; flags override its values")
+    p.add_argument(
+        "--model", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--served-model-name", nargs="+", help="names clients use in `model` (first is reported)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--api-key", action="append", help="accepted bearer token; repeat for several")
+    p.add_argument("--ssl-keyfile", help="TLS private key (PEM)")
+    p.add_argument("--ssl-certfile", help="TLS certificate (PEM)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """How the model runs."""
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--batch-activations",
+        choices=["float32", "int8"],
+        help="matmuls over packed 4-bit weights (every batch on AVX2, batches past 8 rows with AVX-512-VNNI): "
+        "int8 (default: x rounded per block of 32 as llama.cpp does, outliers "
+        "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model) or "
+        "float32 (exact products of the file's weights; docs/benchmarks.md)",
+    )
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, help="seed of unseeded sampling")
+    p.add_argument(
+        "--single-sequence-threads",
+        type=int,
+        help="CPU threads for a decode step of one lone sequence (default 0: all; 1 leaves the other cores "
+        "to HTTP: a lower p99 on a busy machine, a higher median)",
+    )
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    """The context, the batch, the queue and the KV cache."""
+    p.add_argument("--max-input-tokens", type=int, help="longest prompt accepted (MindIE maxInputTokenLen)")
+    p.add_argument("--max-iter-times", type=int, help="default and cap of max_tokens (MindIE maxIterTimes)")
+    p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    p.add_argument("--max-queue-len", type=int, help="most requests waiting; beyond it 429")
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        help="most sequences (prompts x n) one request may ask for; beyond it 400 (default 256, at most "
+        "--max-queue-len)",
+    )
+    p.add_argument("--kv-cache-memory-bytes", type=byte_size, help="KV-cache memory, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks (overrides memory)")
+    p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--max-pinned-kv-fraction", type=float, help="KV cache that cache_control may pin (default 0.25)"
+    )
+
+
+def _add_request_options(p: argparse.ArgumentParser) -> None:
+    """A request's time, body and answer shape."""
+    # NOTE: imported here: it imports the engine and torch (~2 s), which `serval chat` never needs.
+    from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
+
+    p.add_argument("--request-timeout", type=float, help="seconds a request may take (default 600)")
+    p.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        help="on SIGTERM, how long requests in flight may run before they are cut off (default 20)",
+    )
+    p.add_argument("--max-request-body-bytes", type=byte_size, help="largest request body (default 4MiB)")
+    p.add_argument("--full-text-enabled", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chat-template", help="a Jinja chat template file (or the template itself)")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["auto", *TOOL_CALL_FORMATS],
+        help="the tool-call format (default auto: from the chat template, else hermes)",
+    )
