@@ -13,6 +13,8 @@ text a model generates is noise but its speed and memory are real. Files are mad
     .venv/bin/python bench/make_model.py --shape gpt-oss-20b --type MXFP4 --layers 2
     # the size of the full file, without writing it
     .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_0 --dry-run
+    # llama.cpp's Q4_K_M mix as random k-quant blocks (bench/random_blocks.py: no quantizer needed)
+    .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_K_M
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+from random_blocks import RANDOM_BLOCK_TYPES, random_blocks, use_more_bits
 from tqdm import tqdm
 
 from serval.model_source import default_model_path
@@ -59,6 +62,8 @@ class WeightType:
     output: GGMLQuantizationType  # output.weight, when the head is untied
     file_type: LlamaFileType  # general.file_type
     experts_only: bool = False  # the type is about expert matrices: a shape without experts is refused
+    # attn_v and ffn_down(_exps) of llama.cpp's use_more_bits layers (its _M mixes), if not None
+    more_bits: GGMLQuantizationType | None = None
 
 
 # NOTE: llama-quantize gives a Q4_0 model a Q6_K output.weight, but gguf's Python quantizer cannot write Q6_K
@@ -72,7 +77,11 @@ WEIGHT_TYPES = {
     "Q8_0": WeightType(Q.Q8_0, Q.Q8_0, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "F16": WeightType(Q.F16, Q.F16, Q.F16, Q.F16, LlamaFileType.MOSTLY_F16),
     "MXFP4": WeightType(Q.Q8_0, Q.MXFP4, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, experts_only=True),
+    # llama-quantize's Q4_K_M mix, written as random blocks (bench/random_blocks.py): Q4_K, with a Q6_K head
+    # and Q6_K attn_v and ffn_down(_exps) in the first and last eighth of the layers and every third between.
+    "Q4_K_M": WeightType(Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K),
 }
+MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 
 
 @dataclass(frozen=True)
@@ -285,15 +294,19 @@ def plan_tensors(shape: ModelShape, vocab_size: int, weight_type: WeightType) ->
     shape.arch.check_names()
     dims = shape.dimensions()
 
-    def plan(name: str, dim_names: tuple[str, ...], role: Role) -> TensorPlan:
+    def plan(name: str, dim_names: tuple[str, ...], role: Role, more_bits: bool = False) -> TensorPlan:
         qtype = getattr(weight_type, role.weight_field) if role.weight_field else Q.F32
+        if more_bits and weight_type.more_bits is not None:
+            qtype = weight_type.more_bits
         return TensorPlan(name, tuple(dims[dim] for dim in dim_names), qtype, role)
 
     dims["vocab"] = vocab_size
     plans = [plan("token_embd.weight", ("vocab", "hidden"), EMBEDDING)]
     for layer in range(shape.num_layers):
+        more_bits = use_more_bits(layer, shape.num_layers)
         plans.extend(
-            plan(f"blk.{layer}.{part}", dim_names, role) for part, dim_names, role in shape.arch.layer
+            plan(f"blk.{layer}.{part}", dim_names, role, more_bits and part in MORE_BITS_PARTS)
+            for part, dim_names, role in shape.arch.layer
         )
     plans.append(plan("output_norm.weight", ("hidden",), NORM))
     if not shape.tie_word_embeddings:
@@ -412,6 +425,9 @@ def generate_tensor(plan: TensorPlan, rng: np.random.Generator) -> np.ndarray:
     rows_per_chunk = max(1, CHUNK_ELEMENTS // num_cols)
     for start in range(0, num_rows, rows_per_chunk):
         stop = min(num_rows, start + rows_per_chunk)
+        if plan.qtype in RANDOM_BLOCK_TYPES:  # no quantizer: random codes under scales giving `std`
+            encoded[start:stop] = random_blocks(stop - start, num_cols, plan.qtype, std, rng)
+            continue
         chunk = rng.standard_normal((stop - start, num_cols), dtype=np.float32)  # (chunk_rows, num_cols)
         chunk *= std
         if plan.role.mean:
