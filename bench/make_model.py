@@ -1,8 +1,9 @@
 """Write random-weight GGUF files of real model shapes, to benchmark serval and llama-server on.
 
-Both servers read the same file, so a comparison at 1B-30B needs no downloaded checkpoint. Owns the shape
-table (Llama 3.2 1B/3B, Llama 2 7B, the mixture-of-experts Qwen3-30B-A3B and gpt-oss-20b, and a tiny
-self-check shape), the llama.cpp tensor plan and metadata for each architecture, and the streaming writer.
+Both servers read the same file, so a comparison at 1B-30B needs no downloaded checkpoint. Owns what
+`--type` means (each tensor's GGML type, llama.cpp's Q4_K_M mix), the file's tensor plan and metadata, and
+the streaming writer; the shapes (Llama 3.2 1B/3B, Llama 2 7B, the mixture-of-experts Qwen3-30B-A3B and
+gpt-oss-20b, and a tiny self-check shape) are bench/model_shapes.py's, each type's bytes bench/gguf_blocks.py's.
 The vocabulary and every `tokenizer.*` key come from the default model (SmolLM2's 49152-token BPE), so the
 text a model generates is noise but its speed and memory are real. Files are made on demand, never committed:
 
@@ -13,7 +14,7 @@ text a model generates is noise but its speed and memory are real. Files are mad
     .venv/bin/python bench/make_model.py --shape gpt-oss-20b --type MXFP4 --layers 2
     # the size of the full file, without writing it
     .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_0 --dry-run
-    # llama.cpp's Q4_K_M mix as random k-quant blocks (bench/random_blocks.py: no quantizer needed)
+    # llama.cpp's Q4_K_M mix as random k-quant blocks (bench/gguf_blocks.py: no quantizer needed)
     .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_K_M
 """
 
@@ -30,20 +31,15 @@ from dataclasses import dataclass
 
 import gguf
 import numpy as np
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFValueType, LlamaFileType
-from random_blocks import RANDOM_BLOCK_TYPES, random_blocks, use_more_bits
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf_blocks import RANDOM_BLOCK_TYPES, encode, random_blocks
+from model_shapes import EMBEDDING, EXPERTS, NORM, OUTPUT, SHAPES, ModelShape, Role
 from tqdm import tqdm
 
 from serval.model_source import default_model_path
 
 DEFAULT_OUT_DIR = "/tmp/serval-models"
 
-# Matrices are N(0, WEIGHT_STD): with RMS-normed inputs a projection's outputs have std
-# WEIGHT_STD * sqrt(fan_in) (about 1.3 at hidden 4096), so activations stay finite through every layer.
-WEIGHT_STD = 0.02
-NORM_NOISE_STD = 0.02  # norm weights are ones plus this much noise
-BIAS_STD = 0.02
-SINK_STD = 1.0  # gpt-oss's attention sinks are per-head logits, of the order of the attention scores
 
 # Floats generated at once: 16M float32 (64 MiB) plus the quantizer's temporaries per chunk keeps the peak
 # far under 2 GB even for the 7B token embedding (49152 x 4096 = 201M values, 805 MB as float32).
@@ -77,195 +73,17 @@ WEIGHT_TYPES = {
     "Q8_0": WeightType(Q.Q8_0, Q.Q8_0, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "F16": WeightType(Q.F16, Q.F16, Q.F16, Q.F16, LlamaFileType.MOSTLY_F16),
     "MXFP4": WeightType(Q.Q8_0, Q.MXFP4, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, experts_only=True),
-    # llama-quantize's Q4_K_M mix, written as random blocks (bench/random_blocks.py): Q4_K, with a Q6_K head
+    # llama-quantize's Q4_K_M mix, written as random blocks (bench/gguf_blocks.py): Q4_K, with a Q6_K head
     # and Q6_K attn_v and ffn_down(_exps) in the first and last eighth of the layers and every third between.
     "Q4_K_M": WeightType(Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 
 
-@dataclass(frozen=True)
-class Role:
-    """How one kind of tensor is typed and filled: mean + std * N(0, 1), in F32 unless `weight_field`
-    names the WeightType field that types it. std None: 1 / sqrt(fan_in)."""
-
-    weight_field: str | None
-    mean: float
-    std: float | None
-
-
-NORM = Role(None, 1.0, NORM_NOISE_STD)
-MATRIX = Role("matrix", 0.0, WEIGHT_STD)
-EXPERTS = Role("experts", 0.0, WEIGHT_STD)
-EMBEDDING = Role("embedding", 0.0, WEIGHT_STD)
-OUTPUT = Role("output", 0.0, WEIGHT_STD)
-# Router rows of std 1/sqrt(hidden) give unit-RMS inputs logits of std about 1: a softmax over the experts
-# that is neither flat (every expert alike) nor one-hot, so the top-k choice moves from token to token.
-# It stays F32, as llama.cpp's converter keeps ffn_gate_inp.
-ROUTER = Role(None, 0.0, None)
-BIAS = Role(None, 0.0, BIAS_STD)
-SINKS = Role(None, 0.0, SINK_STD)
-
-# One layer's tensors: (name under blk.N., numpy shape in dimension names, role). Numpy order is ggml's ne
-# reversed: an expert stack is (experts, out_features, in_features). Dimension names are keys of
-# ModelShape.dimensions().
-LayerTable = tuple[tuple[str, tuple[str, ...], Role], ...]
-
-# Unbiased attention (Llama, Qwen3-MoE), and a router over SiLU-gated experts with no biases (Qwen3-MoE).
-_ATTENTION: LayerTable = (
-    ("attn_norm.weight", ("hidden",), NORM),
-    ("attn_q.weight", ("q", "hidden"), MATRIX),
-    ("attn_k.weight", ("kv", "hidden"), MATRIX),
-    ("attn_v.weight", ("kv", "hidden"), MATRIX),
-    ("attn_output.weight", ("hidden", "q"), MATRIX),
-)
-_ROUTED_EXPERTS: LayerTable = (
-    ("ffn_gate_inp.weight", ("experts", "hidden"), ROUTER),
-    ("ffn_gate_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_up_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_down_exps.weight", ("experts", "hidden", "expert_ffn"), EXPERTS),
-)
-
-# NOTE: llama.cpp stores a Llama attn_q/attn_k with rows permuted per head; random rows need no permuting
-LLAMA_LAYER: LayerTable = _ATTENTION + (
-    ("ffn_norm.weight", ("hidden",), NORM),
-    ("ffn_gate.weight", ("ffn", "hidden"), MATRIX),
-    ("ffn_up.weight", ("ffn", "hidden"), MATRIX),
-    ("ffn_down.weight", ("hidden", "ffn"), MATRIX),
-)
-
-# llama.cpp's src/models/qwen3moe.cpp: per-head RMSNorm of q and k, a softmax router over every expert
-# (top-k weights renormalized), SiLU-gated experts, no dense or shared FFN.
-QWEN3MOE_LAYER: LayerTable = (
-    _ATTENTION
-    + (
-        ("attn_q_norm.weight", ("head_dim",), NORM),
-        ("attn_k_norm.weight", ("head_dim",), NORM),
-        ("ffn_norm.weight", ("hidden",), NORM),
-    )
-    + _ROUTED_EXPERTS
-)
-
-# llama.cpp's src/models/openai-moe.cpp: biased q/k/v/o, a learned sink logit per head, the FFN's norm
-# named post_attention_norm, a biased router whose top-k logits are softmaxed, biased experts with
-# clamped SwiGLU (alpha 1.702, limit 7, fixed in llama.cpp), sliding-window attention on every other layer.
-GPT_OSS_LAYER: LayerTable = (
-    ("attn_norm.weight", ("hidden",), NORM),
-    ("attn_q.weight", ("q", "hidden"), MATRIX),
-    ("attn_q.bias", ("q",), BIAS),
-    ("attn_k.weight", ("kv", "hidden"), MATRIX),
-    ("attn_k.bias", ("kv",), BIAS),
-    ("attn_v.weight", ("kv", "hidden"), MATRIX),
-    ("attn_v.bias", ("kv",), BIAS),
-    ("attn_output.weight", ("hidden", "q"), MATRIX),
-    ("attn_output.bias", ("hidden",), BIAS),
-    ("attn_sinks.weight", ("heads",), SINKS),
-    ("post_attention_norm.weight", ("hidden",), NORM),
-    ("ffn_gate_inp.weight", ("experts", "hidden"), ROUTER),
-    ("ffn_gate_inp.bias", ("experts",), BIAS),
-    ("ffn_gate_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_gate_exps.bias", ("experts", "expert_ffn"), BIAS),
-    ("ffn_up_exps.weight", ("experts", "expert_ffn", "hidden"), EXPERTS),
-    ("ffn_up_exps.bias", ("experts", "expert_ffn"), BIAS),
-    ("ffn_down_exps.weight", ("experts", "hidden", "expert_ffn"), EXPERTS),
-    ("ffn_down_exps.bias", ("experts", "hidden"), BIAS),
-)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    arch: MODEL_ARCH  # gguf-py's id: general.architecture and the tensor names llama.cpp expects
-    layer: LayerTable
-
-    @property
-    def name(self) -> str:
-        return MODEL_ARCH_NAMES[self.arch]
-
-    def check_names(self) -> None:
-        """Every tensor name of the layer table is one gguf-py lists for this architecture."""
-        known = {gguf.TENSOR_NAMES[tensor] for tensor in gguf.MODEL_TENSORS[self.arch]}
-        for part, _, _ in self.layer:
-            stem = "blk.{bid}." + part.rsplit(".", 1)[0]
-            if stem not in known:
-                raise ValueError(f"{stem} is not a {self.name} tensor in gguf-py's MODEL_TENSORS")
-
-
-LLAMA = Architecture(MODEL_ARCH.LLAMA, LLAMA_LAYER)
-QWEN3MOE = Architecture(MODEL_ARCH.QWEN3MOE, QWEN3MOE_LAYER)
-GPT_OSS = Architecture(MODEL_ARCH.GPT_OSS, GPT_OSS_LAYER)
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_context_length: int
-    beta_fast: float
-    beta_slow: float
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    tie_word_embeddings: bool  # True: no output.weight, the head reads token_embd.weight
-    context_length: int  # what <arch>.context_length says, not always the model's trained maximum
-    arch: Architecture = LLAMA
-    rms_norm_eps: float = 1e-5
-    num_experts: int = 0  # 0: a dense model
-    num_experts_used: int = 0
-    expert_intermediate_size: int = 0
-    sliding_window: int = 0  # 0: no sliding-window layers
-    yarn: YarnScaling | None = None
-
-    def dimensions(self) -> dict[str, int]:
-        """The sizes the layer tables name."""
-        return {
-            "hidden": self.hidden_size,
-            "heads": self.num_heads,
-            "head_dim": self.head_dim,
-            "q": self.num_heads * self.head_dim,
-            "kv": self.num_kv_heads * self.head_dim,
-            "ffn": self.intermediate_size,
-            "experts": self.num_experts,
-            "expert_ffn": self.expert_intermediate_size,
-        }
-
-
-# From the models' config.json files.
-# NOTE: Llama 3.2 is trained to 131072 positions with llama3 rope scaling; we write 8192 (its pre-scaling
-# length) and no rope_freqs.weight: position scaling changes the numbers, not the cost of a step, and a
-# 131072 context would make llama-server reserve a KV cache for it by default.
-# NOTE: the MoE shapes keep their configs' context lengths (Qwen3-30B-A3B 40960, gpt-oss 131072 = its YaRN
-# 4096 x 32); pass llama-server a -c. intermediate_size is Qwen3's unused dense width (6144) and gpt-oss's
-# expert width, as their converters write <arch>.feed_forward_length.
-_QWEN3_30B_A3B = ModelShape(
-    "qwen3-30b-a3b", hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
-    head_dim=128, rope_theta=1e6, tie_word_embeddings=False, context_length=40960, arch=QWEN3MOE,
-    rms_norm_eps=1e-6, num_experts=128, num_experts_used=8, expert_intermediate_size=768,
-)  # fmt: skip
-SHAPES = {
-    shape.name: shape
-    for shape in (
-        ModelShape("tiny", 256, 768, 4, 4, 2, 64, 10000.0, True, 2048),
-        ModelShape("llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 500000.0, True, 8192),
-        ModelShape("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128, 500000.0, True, 8192),
-        ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 128, 10000.0, False, 4096),
-        _QWEN3_30B_A3B,
-        dataclasses.replace(_QWEN3_30B_A3B, name="qwen3-30b-a3b-12l", num_layers=12),
-        ModelShape(
-            "gpt-oss-20b", hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
-            num_kv_heads=8, head_dim=64, rope_theta=150000.0, tie_word_embeddings=False, context_length=131072,
-            arch=GPT_OSS, rms_norm_eps=1e-5, num_experts=32, num_experts_used=4, expert_intermediate_size=2880,
-            sliding_window=128, yarn=YarnScaling(32.0, 4096, 32.0, 1.0),
-        ),
-    )
-}  # fmt: skip
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in a Q4_K_M file
+    (src/llama-quant.cpp): the first and last eighth, and every third layer between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
 @dataclass(frozen=True)
@@ -369,46 +187,6 @@ def add_metadata(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, (value, value_type, element_type) in tokenizer_fields.items():
         writer.add_key_value(key, value, value_type, sub_type=element_type)
-
-
-# The MXFP4 (e2m1) magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 times twice the block scale; these are the
-# midpoints between neighbours in those doubled units. A value exactly on a midpoint takes the lower index,
-# as the first minimum of gguf's argmin does.
-_MXFP4_MIDPOINTS = tuple(np.float32(t) for t in (0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0))
-
-
-def quantize_mxfp4(values: np.ndarray) -> np.ndarray:
-    """The same bytes as gguf.quants.quantize(values, MXFP4), about 8x faster and with a 16x smaller peak.
-
-    gguf's quantizer measures every value's distance to all 16 codes ((n, 32, 16) float32 temporaries);
-    the block scale 2^(floor(log2 absmax) - 3) is a power of two, so dividing by it is exact and the nearest
-    magnitude is a count of midpoints below. Per 32-value block: one E8M0 scale byte, then 16 bytes whose
-    low nibbles hold values 0-15 and high nibbles values 16-31 (code = magnitude index | sign << 3).
-    """
-    blocks = values.reshape(-1, 32)
-    magnitude = np.abs(blocks)
-    absmax = magnitude.max(axis=1)
-    with np.errstate(divide="ignore"):
-        exponent = np.where(absmax > 0, np.floor(np.log2(absmax)) - 2 + 127, 0).astype(np.uint8)
-    # ggml_e8m0_to_fp32_half; clamped at the smallest normal float, which only a block whose absmax is
-    # under 2^-124 (never a N(0, 0.02) block) would reach. An all-zero block's codes stay 0.
-    scale = np.maximum(gguf.quants.MXFP4.e8m0_to_fp32_half(exponent), np.float32(2.0**-126))
-    magnitude *= np.where(absmax > 0, np.float32(1.0) / scale, np.float32(0.0))[:, None]
-    codes = np.zeros(blocks.shape, dtype=np.uint8)
-    for midpoint in _MXFP4_MIDPOINTS:
-        codes += magnitude > midpoint
-    codes |= ((blocks < 0) & (codes > 0)).view(np.uint8) << np.uint8(3)  # a zero keeps code 0, never -0
-    packed = codes[:, :16] | (codes[:, 16:] << np.uint8(4))
-    encoded = np.concatenate([exponent[:, None], packed], axis=1)  # (blocks, 17)
-    return encoded.reshape(*values.shape[:-1], values.shape[-1] // 32 * 17)
-
-
-def encode(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(rows, cols) float32 -> (rows, row bytes) uint8."""
-    if qtype == Q.MXFP4:
-        return quantize_mxfp4(values)
-    # quantize returns float32/float16 for F32/F16 and uint8 blocks otherwise; all are the row's bytes
-    return gguf.quants.quantize(values, qtype).view(np.uint8)
 
 
 def generate_tensor(plan: TensorPlan, rng: np.random.Generator) -> np.ndarray:
