@@ -34,6 +34,7 @@ def model_facts(model: str, info: RunnerInfo, max_model_len: int) -> dict[str, s
         "dtype": info.dtype,
         "device": info.device,
         "kernel_variant": info.kernel_variant,
+        "attention_backend": info.attention_backend,
         "batch_activations": info.batch_activations,
         "num_threads": info.num_threads,
         "kv_cache_tokens": info.kv_cache_tokens,

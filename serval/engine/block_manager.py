@@ -138,7 +138,11 @@ class BlockManager:
             self.pending_copies.append((source, copy))
             self._dereference(source)
             request.block_ids[shared_index] = copy
-        for _ in range(self.num_blocks_needed(request, num_new_tokens)):
+            mark_blocks_changed(request, shared_index)
+        num_needed = self.num_blocks_needed(request, num_new_tokens)
+        if num_needed:
+            mark_blocks_changed(request, len(request.block_ids))
+        for _ in range(num_needed):
             request.block_ids.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
@@ -157,6 +161,7 @@ class BlockManager:
         for block_id in parent.block_ids[:num_blocks]:
             self._reference(block_id)
         child.block_ids = parent.block_ids[:num_blocks]
+        mark_blocks_changed(child, 0)
         child.block_hashes = parent.block_hashes[: num_tokens // self.block_size]
         child.num_computed_tokens = num_tokens
 
@@ -187,6 +192,7 @@ class BlockManager:
             self._dereference(block_id)
         request.block_ids = []
         request.block_hashes = []
+        mark_blocks_changed(request, 0)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -249,3 +255,9 @@ class BlockManager:
             if self.cached_blocks.get(block_hash) == block_id:
                 del self.cached_blocks[block_hash]
             self.block_hash[block_id] = None
+
+
+def mark_blocks_changed(request: Request, index: int) -> None:
+    """Note that the request's block list changed from `index` on: its batch row catches up from there."""
+    changed_from = request.block_ids_changed_from
+    request.block_ids_changed_from = index if changed_from is None else min(changed_from, index)

@@ -214,7 +214,7 @@ class Engine:
             token_ids=token_ids,
             num_new_tokens=list(scheduled.num_new_tokens),
             num_computed_tokens=list(scheduled.num_computed_tokens),
-            block_tables=[list(r.block_ids) for r in scheduled.requests],
+            block_tables=self.scheduler.rows.step_tables(scheduled.requests),
             sample_indices=sample_indices,
             sampling=rows,
             block_copies=self.block_manager.take_copies(),

@@ -50,6 +50,11 @@ class Request:
         self.num_pinned_prompt_tokens = 0
         self.num_newly_pinned_tokens = 0
         self.block_ids: list[int] = []
+        # Where the request's row of the engine's batch rows (batch_rows.py) sits, and the first index of
+        # block_ids the row does not hold yet (None: it holds them all). The block manager lowers the index
+        # whenever it changes the list; the rows catch up before the next step.
+        self.batch_row: int | None = None
+        self.block_ids_changed_from: int | None = 0
         self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks, in order
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from serval.config import SchedulerConfig
+from serval.engine.batch_rows import BatchRows
 from serval.engine.block_manager import BlockManager
 from serval.engine.request import Request, RequestStatus
 
@@ -35,6 +36,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # The running requests' block tables, a row each (batch_rows.py): a row lives as long as its
+        # request runs, so it is given back on every way out of `running`.
+        self.rows = BatchRows(-(-max_model_len // block_manager.block_size))
 
     @property
     def num_unfinished(self) -> int:
@@ -105,6 +109,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self.rows.release(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -123,6 +128,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.rows.release(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.media_prompt = None  # its encoder state and positions go with it (a fork may still hold them)

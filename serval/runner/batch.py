@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from serval.runner.attention.backend import padded_block_tables
+
 if TYPE_CHECKING:
     from serval.runner.media import MediaPrompt
 
@@ -47,7 +49,10 @@ class Batch:
     num_computed_tokens: list[
         int
     ]  # per sequence: tokens already in the KV cache (position of its first new one)
-    block_tables: list[list[int]]  # per sequence: its KV blocks in order
+    # Per sequence, its KV blocks in order: the engine's (num_seqs, max_blocks) int64 tensor, gathered from its
+    # persistent rows (engine/batch_rows.py; entries past a sequence's blocks are never read), or lists from
+    # one-shot callers (embeddings, tests).
+    block_tables: torch.Tensor | list[list[int]]
     sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
     sampling: list[SamplingRow]  # one per entry of sample_indices
     # KV blocks to copy (source, destination) before the forward pass: copy on write of forked sequences.
@@ -62,6 +67,12 @@ class Batch:
     @property
     def num_seqs(self) -> int:
         return len(self.num_new_tokens)
+
+    def block_table_tensor(self) -> torch.Tensor:
+        """(num_seqs, max_blocks) int64, whichever form the tables came in."""
+        if isinstance(self.block_tables, torch.Tensor):
+            return self.block_tables
+        return padded_block_tables(self.block_tables)
 
 
 @dataclass

@@ -12,7 +12,8 @@ import torch
 
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
-from serval.runner.attention import AttentionMetadata
+from serval.runner.attention.backend import StepAttention, StepLayout
+from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.info import RunnerInfo
 from serval.runner.kernels import load_cpu_kernels
@@ -90,10 +91,8 @@ class ModelRunner:
             cache_config.kv_cache_memory_bytes
         )
         self.kv_caches = self._allocate_kv_cache()
-        self.decode_kernel = self.prefill_kernel = None
+        self.attention_backend = select_attention_backend(self.device, kernels)
         if kernels is not None:
-            self.decode_kernel = kernels.paged_decode_attention
-            self.prefill_kernel = kernels.paged_prefill_attention
             int8 = model_config.batch_activations == "int8"
             use_native_kernels(self.model, kernels, int8)
             self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
@@ -164,6 +163,7 @@ class ModelRunner:
             weight_format="+".join(self.weight_formats),
             packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
+            attention_backend=self.attention_backend.name,
             batch_activations=self.batch_activations,
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -291,6 +291,16 @@ class ModelRunner:
             k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
             v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
 
+    def _step_attention(self, batch: Batch) -> StepAttention:
+        layout = StepLayout(
+            batch.num_new_tokens,
+            batch.num_computed_tokens,
+            batch.block_table_tensor(),
+            self.block_size,
+            self.device,
+        )
+        return StepAttention.build(self.attention_backend, layout)
+
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """Run the model over the batch; logits (len(sample_indices), vocab_size) float32 of sampled rows."""
@@ -303,21 +313,10 @@ class ModelRunner:
             )
             position_ids = position_ids.to(device)
         else:
-            positions: list[int] = []
-            for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
-                positions.extend(range(num_computed, num_computed + num_new))
-            position_ids = torch.tensor(positions, dtype=torch.long, device=device)
+            position_ids = _positions(batch).to(device)
         ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1  # last token row of each sequence
         logit_rows = ends[batch.sample_indices].to(device)
-        meta = AttentionMetadata.build(
-            batch.num_new_tokens,
-            batch.num_computed_tokens,
-            batch.block_tables,
-            self.block_size,
-            device,
-            self.decode_kernel,
-            self.prefill_kernel,
-        )
+        meta = self._step_attention(batch)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         lora = None
         if batch.lora_slots:
@@ -338,10 +337,7 @@ class ModelRunner:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         positions = [p for n in batch.num_new_tokens for p in range(n)]
-        meta = AttentionMetadata.build(
-            batch.num_new_tokens, batch.num_computed_tokens, batch.block_tables, self.block_size, self.device,
-            self.decode_kernel, self.prefill_kernel,
-        )  # fmt: skip
+        meta = self._step_attention(batch)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.hidden_states(input_ids, position_ids, self.kv_caches, meta)
@@ -361,3 +357,13 @@ class ModelRunner:
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)
         logits = self.compute_logits(batch)
         return self.sampler(logits, batch.sampling)
+
+
+def _positions(batch: Batch) -> torch.Tensor:
+    """(num_tokens,) int64: each new token's position in its sequence."""
+    if len(batch.token_ids) == batch.num_seqs:  # a decode-only step: each sequence's next position
+        return torch.tensor(batch.num_computed_tokens, dtype=torch.long)
+    positions: list[int] = []
+    for num_new, num_computed in zip(batch.num_new_tokens, batch.num_computed_tokens):
+        positions.extend(range(num_computed, num_computed + num_new))
+    return torch.tensor(positions, dtype=torch.long)

@@ -47,6 +47,21 @@ def test_aborting_an_unknown_request_is_harmless(client):
 def test_the_snapshot_after_the_last_output_shows_the_blocks_back(client):
     before = client.stats()
     assert isinstance(before, EngineStats) and before.num_free_blocks == before.num_total_blocks
+    # One step per output read: a busy machine could otherwise let the engine run to the end (and publish
+    # its last snapshot) before the loop reads the one of a running request.
+    steps = threading.Semaphore(1)
+    engine = client._engine
+    real_step = engine.step
+
+    def step():
+        if not steps.acquire(timeout=0.01):
+            return []  # back to the client's loop, which handles commands between steps
+        outputs = real_step()
+        if not outputs:
+            steps.release()  # a step that delivered nothing (a prefill chunk) does not count
+        return outputs
+
+    engine.step = step
 
     async def scenario() -> EngineStats:
         (stream,) = client.add_requests([NewRequest("r", PROMPT, PARAMS)])
@@ -54,6 +69,7 @@ def test_the_snapshot_after_the_last_output_shows_the_blocks_back(client):
             if not output.finished:
                 during = client.stats()  # published before this output was delivered
                 assert during.num_running == 1 and during.num_free_blocks < during.num_total_blocks
+            steps.release()
         return client.stats()  # no sleep: the step that finished it was published before its output
 
     after = asyncio.run(scenario())

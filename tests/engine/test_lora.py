@@ -4,6 +4,7 @@ loading through EngineClient on the engine thread. The tiny llama and random PEF
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -126,7 +127,23 @@ def test_block_hash_chains_are_seeded_by_the_adapter():
 
 def test_engine_client_loads_and_unloads_on_the_engine_thread(tiny_model_factory, tiny_lora_factory):
     directory, _ = tiny_model_factory("llama", False)
-    client = EngineClient(_engine(directory, {}))
+    engine = _engine(directory, {})
+    # Generation holds still after the first token until the refused unload is seen: with 3 tokens to go, a
+    # busy machine could otherwise let the engine finish them before the unload reaches it.
+    resumed = threading.Event()
+    resumed.set()
+    real_step = engine.step
+
+    def step():
+        if not resumed.wait(0.01):
+            return []  # back to the client's loop, which handles commands between steps
+        outputs = real_step()
+        if any(o.request_id == "r" and o.num_output_tokens == 1 for o in outputs):
+            resumed.clear()
+        return outputs
+
+    engine.step = step
+    client = EngineClient(engine)
     path = tiny_lora_factory("partial")[0]
 
     async def scenario() -> None:
@@ -143,6 +160,7 @@ def test_engine_client_loads_and_unloads_on_the_engine_thread(tiny_model_factory
         first = await anext(outputs)  # the request is running now
         with pytest.raises(LoraConflictError):
             await client.unload_lora("partial")
+        resumed.set()
         tokens = list(first.new_token_ids)
         async for output in outputs:
             tokens += output.new_token_ids

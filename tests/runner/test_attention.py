@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serval.runner.attention import AttentionMetadata, paged_attention
+from serval.runner.attention.backend import StepAttention, StepLayout, padded_block_tables, paged_attention
+from serval.runner.attention.native_cpu import NativeCpuBackend
+from serval.runner.attention.sdpa import SdpaBackend
+from serval.runner.attention.selector import select_attention_backend
 from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
@@ -40,13 +43,10 @@ GPT_OSS = {"plain": (0, False), "window": (4, False), "sinks": (0, True), "windo
 
 @pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("variant", [None, *VARIANT_NAMES])  # None: the PyTorch path
+@pytest.mark.parametrize("variant", [None, *VARIANT_NAMES])  # None: the SDPA reference backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_matches_dense_attention(step, variant, dtype, attention):
-    decode_kernel = prefill_kernel = None
-    if variant is not None:
-        kernels = require_kernels(variant)
-        decode_kernel, prefill_kernel = kernels.paged_decode_attention, kernels.paged_prefill_attention
+    backend = SdpaBackend() if variant is None else NativeCpuBackend(require_kernels(variant))
     torch.manual_seed(0)
     num_new, num_computed = STEPS[step]
     perm = torch.randperm(NUM_BLOCKS).tolist()
@@ -59,9 +59,8 @@ def test_step_matches_dense_attention(step, variant, dtype, attention):
     v = torch.randn_like(k)
     window, with_sinks = GPT_OSS[attention]
     sinks = torch.randn(NUM_HEADS) * 2 if with_sinks else None
-    meta = AttentionMetadata.build(
-        num_new, num_computed, tables, BLOCK_SIZE, torch.device("cpu"), decode_kernel, prefill_kernel
-    )
+    layout = StepLayout(num_new, num_computed, padded_block_tables(tables), BLOCK_SIZE, torch.device("cpu"))
+    meta = StepAttention.build(backend, layout)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, window, sinks)
     row = 0
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -151,3 +150,49 @@ def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_
         )
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out[row : row + n].float() - expected).abs().max().item() < tol, (n, c, dtype)
+
+
+def test_the_backend_is_chosen_by_device_and_kernels(kernels):
+    assert isinstance(select_attention_backend(torch.device("cpu"), kernels), NativeCpuBackend)
+    assert isinstance(select_attention_backend(torch.device("cpu"), None), SdpaBackend)
+    # Any other device runs the reference backend until a backend of its own is written (selector.py).
+    assert isinstance(select_attention_backend(torch.device("meta"), kernels), SdpaBackend)
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_only_a_native_decode_only_step_offers_the_fused_decode(kernels, step):
+    num_new, num_computed = STEPS[step]
+    tables = [[5, 9, 2], [7, 1], [3, 4, 8]]
+    layout = StepLayout(num_new, num_computed, padded_block_tables(tables), BLOCK_SIZE, torch.device("cpu"))
+    assert StepAttention.build(SdpaBackend(), layout).fused_decode is None
+    fused = StepAttention.build(NativeCpuBackend(kernels), layout).fused_decode
+    if step != "decode_only":
+        assert fused is None
+        return
+    # Each sequence's new token goes to the slot of its position; the context counts it.
+    expected_slots = [
+        table[c // BLOCK_SIZE] * BLOCK_SIZE + c % BLOCK_SIZE for table, c in zip(tables, num_computed)
+    ]
+    assert fused.slot_mapping.tolist() == expected_slots
+    assert fused.context_lens.tolist() == [c + 1 for c in num_computed]
+    assert torch.equal(fused.block_tables, padded_block_tables(tables))
+
+
+def test_both_backends_write_the_same_slots_and_agree_on_a_mixed_step(kernels):
+    torch.manual_seed(1)
+    num_new, num_computed = STEPS["mixed"]
+    tables = [[11, 3, 6], [0, 9], [4, 2, 13]]
+    layout = StepLayout(num_new, num_computed, padded_block_tables(tables), BLOCK_SIZE, torch.device("cpu"))
+    total = sum(num_new)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM)
+    k, v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM), torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+    k_base = torch.randn(NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    v_base = torch.randn_like(k_base)
+    outputs = []
+    for backend in (SdpaBackend(), NativeCpuBackend(kernels)):
+        k_cache, v_cache = k_base.clone(), v_base.clone()
+        step = StepAttention.build(backend, layout)
+        outputs.append((paged_attention(q, k, v, k_cache, v_cache, step, HEAD_DIM**-0.5), k_cache, v_cache))
+    (out_ref, k_ref, v_ref), (out_native, k_native, v_native) = outputs
+    assert torch.equal(k_ref, k_native) and torch.equal(v_ref, v_native)
+    assert (out_ref - out_native).abs().max().item() < 1e-4

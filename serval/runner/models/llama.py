@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from serval.runner.attention import AttentionMetadata, paged_attention
+from serval.runner.attention.backend import StepAttention, paged_attention
 from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
     GatedMLP,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         rope: RopeTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepAttention,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (num_tokens,)
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
         logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
         lora: LoraBatch | None = None,  # which tokens use which adapter; None: the base model for all
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         x: torch.Tensor,  # (num_tokens, hidden_size) float32 input rows (a multimodal model's: spliced)
         rope: RopeTables,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
         logit_rows: torch.Tensor,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
@@ -193,12 +193,13 @@ class LlamaForCausalLM(nn.Module):
         x: torch.Tensor,  # (num_tokens, hidden_size) float32
         rope: RopeTables,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # (num_tokens, hidden_size) float32: the last layer's output, before the final norm
-        if self.decode_stack is not None and meta.is_decode_only and lora is None:
+        fused = None if self.decode_stack is None or lora is not None else meta.fused_decode
+        if fused is not None:
             self.decode_stack.forward(
-                x, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, rope.cos, rope.sin
+                x, fused.slot_mapping, fused.block_tables, fused.context_lens, rope.cos, rope.sin
             )
             return x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -210,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (num_tokens,)
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
     ) -> torch.Tensor:  # (num_tokens, hidden_size) float32: every token's final (normed) hidden state
         x = self.embed(input_ids)
         rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)

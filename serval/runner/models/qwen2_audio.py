@@ -28,7 +28,7 @@ from serval.runner.models.qwen2_audio_encoder import (
 )
 
 if TYPE_CHECKING:
-    from serval.runner.attention import AttentionMetadata
+    from serval.runner.attention.backend import StepAttention
     from serval.runner.lora import LoraBatch
     from serval.runner.media import MediaInput, MediaRows
 
@@ -111,7 +111,7 @@ class Qwen2AudioForConditionalGeneration(LlamaForCausalLM):
         input_ids: torch.Tensor,  # (num_tokens,)
         positions: torch.Tensor,  # (num_tokens,), or (3, num_tokens) in a step with prompt rows of a clip
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
         logit_rows: torch.Tensor,
         lora: LoraBatch | None = None,
         media: MediaRows | None = None,  # encoder rows that replace their tokens' embeddings

@@ -25,7 +25,7 @@ from serval.runner.models.llama import LlamaForCausalLM
 from serval.runner.models.qwen2_vl_vision import VisionAttention, VisionTower
 
 if TYPE_CHECKING:
-    from serval.runner.attention import AttentionMetadata
+    from serval.runner.attention.backend import StepAttention
     from serval.runner.lora import LoraBatch
     from serval.runner.media import MediaInput, MediaRows
 
@@ -163,7 +163,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         input_ids: torch.Tensor,  # (num_tokens,)
         positions: torch.Tensor,  # (num_tokens,), or (3, num_tokens) for M-RoPE positions whose axes differ
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepAttention,
         logit_rows: torch.Tensor,
         lora: LoraBatch | None = None,
         media: MediaRows | None = None,  # encoder rows that replace their tokens' embeddings

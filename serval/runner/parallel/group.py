@@ -89,12 +89,15 @@ def _broadcast(group, tensor: torch.Tensor, timeout: datetime.timedelta | None =
 
 def encode_batch(batch: Batch) -> torch.Tensor:
     """[num_seqs, num_copies, num_new..., num_computed..., table lengths..., token ids..., tables..., copies...]"""
+    tables = batch.block_tables
+    if isinstance(tables, torch.Tensor):  # the engine's gathered rows: whole rows cross, padding included
+        tables = tables.tolist()
     values = [batch.num_seqs, len(batch.block_copies)]
     values += batch.num_new_tokens
     values += batch.num_computed_tokens
-    values += [len(table) for table in batch.block_tables]
+    values += [len(table) for table in tables]
     values += batch.token_ids
-    for table in batch.block_tables:
+    for table in tables:
         values += table
     for source, destination in batch.block_copies:
         values += (source, destination)
