@@ -137,7 +137,7 @@ def packed_rows_limit(kernels) -> int:
 
     Past 8 rows the kernel dequantizes a tile at a time (`quantized_tiles.cpp`): in fp32, or with bf16
     activations on AVX512-BF16 into bf16 pairs for VDPBF16PS, which measured within ~15% of oneDNN's bf16
-    matmul over a dense bf16 copy (docs/benchmarks.md) while the model stays at the file's size.
+    matmul over a dense bf16 copy (docs/benchmarks/2026-12-03.md) while the model stays at the file's size.
     """
     return 0 if kernels is None else UNBOUNDED_ROWS
 
