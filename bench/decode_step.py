@@ -3,7 +3,8 @@
 For each batch size: that many requests with distinct random 128-token prompts are prefilled, then every
 variant times `--steps` decode steps in turn (engine.step(): schedule, run, sample, update), round robin so
 that drift on a shared machine hits all of them alike. One JSON line per (batch size, variant): median and
-10th percentile in ms, and tokens/s at the median.
+10th percentile in ms, tokens/s at the median, and the step's host time: the median of (step - the model's
+forward pass), i.e. scheduling, batch building, attention metadata, sampling and updating the requests.
 
 Variants, all in one process on the same weights:
   layers          the Python decoder layers (native norm/RoPE/attention/small-matmul kernels)
@@ -67,6 +68,17 @@ def use_variant(model, variants: dict[str, tuple], packed: dict, variant: str) -
     set_packed(model, packed, packed_on)
 
 
+def time_forward_passes(model) -> list[float]:
+    """A list that collects the seconds of each forward pass of the model from now on."""
+    durations: list[float] = []
+    started: list[float] = []
+    model.register_forward_pre_hook(lambda module, args: started.append(time.perf_counter()))
+    model.register_forward_hook(
+        lambda module, args, out: durations.append(time.perf_counter() - started.pop())
+    )
+    return durations
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -117,6 +129,7 @@ def main() -> None:
     vocab_size = runner.info.vocab_size
     total_steps = len(variants) * args.rounds * (args.steps + 2)
     params = SamplingParams(temperature=0.0, max_tokens=total_steps + 8, ignore_eos=True)
+    forward = time_forward_passes(model)
     for batch_size in tqdm(batch_sizes, desc="batch sizes", disable=None, file=sys.stderr):
         for i in range(batch_size):
             prompt = [rng.randrange(100, vocab_size) for _ in range(args.prompt_len)]
@@ -124,15 +137,18 @@ def main() -> None:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
             engine.step()
         times: dict[str, list[float]] = {v: [] for v in variants}
+        host_times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant in variants:
                 use_variant(model, available, packed, variant)
                 engine.step()
                 engine.step()  # warm-up after a switch
                 for _ in range(args.steps):
+                    forward.clear()
                     started = time.perf_counter()
                     engine.step()
                     times[variant].append(time.perf_counter() - started)
+                    host_times[variant].append(times[variant][-1] - sum(forward))
         use_variant(model, available, packed, "stack+packed")
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
@@ -145,6 +161,7 @@ def main() -> None:
                 "kernels": runner.info.kernel_variant, "batch_activations": runner.info.batch_activations,
                 "median_ms": round(median * 1e3, 2), "p10_ms": round(samples[len(samples) // 10] * 1e3, 2),
                 "tokens_per_s": round(batch_size / median, 1),
+                "host_median_ms": round(statistics.median(host_times[variant]) * 1e3, 3),
             }), flush=True)  # fmt: skip
 
 

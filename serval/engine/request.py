@@ -7,6 +7,7 @@ Preemption resets it to zero and the request recomputes its whole context later.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
@@ -50,6 +51,7 @@ class Request:
         self.num_pinned_prompt_tokens = 0
         self.num_newly_pinned_tokens = 0
         self.block_ids: list[int] = []
+        self.fixed_sampling_row: SamplingRow | None = None  # sampling_row()'s per-request part, built once
         # Where the request's row of the engine's batch rows (batch_rows.py) sits, and the first index of
         # block_ids the row does not hold yet (None: it holds them all). The block manager lowers the index
         # whenever it changes the list; the rows catch up before the next step.
@@ -134,16 +136,33 @@ class Request:
 
 
 def sampling_row(request: Request) -> SamplingRow:
-    """What the batched sampler needs of a request for this step (runner/sampler.py)."""
+    """What the batched sampler needs of a request for this step (runner/sampler.py).
+
+    Most of it is fixed for the request's life: built once and handed over again each step (the runner only
+    reads rows); what changes per token (the outputs for penalties, bans under min_tokens, a grammar's
+    mask) is laid over it only for the requests that use it."""
     p = request.params
     if request.beam_group is not None:
         # A beam needs its most likely continuations under the raw distribution, nothing sampled.
         num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
         return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
-    banned: list[int] = []
+    if request.fixed_sampling_row is None:
+        request.fixed_sampling_row = _fixed_sampling_row(request)
+    changes = {}
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        changes["output_token_ids"] = request.output_token_ids
     if request.num_output_tokens < p.min_tokens:
-        banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))
-    needs_history = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        eos = frozenset() if p.ignore_eos else request.eos_token_ids
+        changes["banned_token_ids"] = sorted(request.stop_token_ids | eos)
+    if request.constraint is not None:
+        changes["allowed_token_bitmask"] = request.constraint.allowed_token_bitmask()
+    return (
+        dataclasses.replace(request.fixed_sampling_row, **changes) if changes else request.fixed_sampling_row
+    )
+
+
+def _fixed_sampling_row(request: Request) -> SamplingRow:
+    p = request.params
     return SamplingRow(
         temperature=p.temperature if not p.is_greedy else 0.0,
         top_k=p.top_k,
@@ -154,13 +173,8 @@ def sampling_row(request: Request) -> SamplingRow:
         repetition_penalty=p.repetition_penalty,
         num_logprobs=p.logprobs,
         generator=request.generator,
-        output_token_ids=request.output_token_ids if needs_history else [],
         prompt_token_ids=request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-        banned_token_ids=banned,
         logit_bias=list(p.logit_bias),
-        allowed_token_bitmask=(
-            request.constraint.allowed_token_bitmask() if request.constraint is not None else None
-        ),
     )
 
 
