@@ -217,6 +217,9 @@ class BlockManager:
             if index >= num_kept_blocks:
                 self._dereference(block_id)
         del request.block_ids[num_kept_blocks:]
+        # NOTE: nothing for its batch row to copy (rows are not cleared as lists shrink), marked all the same
+        # so that every change to the list goes through the one note.
+        mark_blocks_changed(request, num_kept_blocks)
         del request.block_hashes[first_touched:]
         request.num_computed_tokens = num_kept
 
