@@ -13,6 +13,10 @@ parent's blocks instead of a copy. The one block a sequence can still write into
 copied on write: when a sequence is about to write into a block someone else also references, it gets a
 fresh block and the engine tells the runner to copy the KV rows over first (`take_copies`).
 
+Speculative decoding computes draft tokens that may be rejected: their blocks stay out of the prefix cache
+until they are accepted (`cache_full_blocks`' num_provisional_tokens), and `rollback` forgets the rejected
+ones, giving back the blocks they emptied.
+
 Pins (explicit prompt caching): a pinned full block holds one reference of its own until its pin expires, so
 it never reaches the free list and survives any eviction pressure. Pins are bounded (`max_num_pinned_blocks`)
 so they can't starve running requests; expiry is read from an injected clock and checked once per step.
@@ -170,11 +174,14 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Name the request's newly completed blocks in the prefix cache (after their tokens are computed)."""
+    def cache_full_blocks(self, request: Request, num_provisional_tokens: int = 0) -> None:
+        """Name the request's newly completed blocks in the prefix cache (after their tokens are computed).
+
+        num_provisional_tokens: the last computed tokens that may still be rejected (speculative drafts, see
+        `rollback`). A block holding any of them stays unnamed; call again once they are accepted."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = (request.num_computed_tokens - num_provisional_tokens) // self.block_size
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else request.block_hash_seed
             tokens = request.token_ids[i * self.block_size : (i + 1) * self.block_size]
@@ -185,6 +192,36 @@ class BlockManager:
             if block_hash not in self.cached_blocks and self.block_hash[block_id] is None:
                 self.block_hash[block_id] = block_hash
                 self.cached_blocks[block_hash] = block_id
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Forget the request's last `num_tokens` computed tokens (rejected speculative drafts): it counts
+        them as not computed, and gives back the blocks that no longer hold any of its tokens.
+
+        A block that held a rolled-back token and that the request alone references loses its name, so the
+        prefix cache never finds those tokens and the request may write others into it. A block someone else
+        also references (a fork, a prefix-cache hit, a pin) keeps its name: its holders' tokens are theirs;
+        the next write into it is copied first (`allocate`). The request's token ids are its own to drop
+        (Request.rollback_tokens)."""
+        if not 0 <= num_tokens <= request.num_computed_tokens:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens of a request with {request.num_computed_tokens} computed"
+            )
+        num_kept = request.num_computed_tokens - num_tokens
+        num_kept_blocks = -(-num_kept // self.block_size)
+        first_touched = num_kept // self.block_size  # the first block holding a rolled-back token
+        # Tail first, as in free(): a shared prefix's head is the last thing evicted.
+        for index in range(len(request.block_ids) - 1, first_touched - 1, -1):
+            block_id = request.block_ids[index]
+            if self.ref_counts[block_id] == 1:
+                self._forget_hash(block_id)  # NOTE: before the dereference, which files it as unnamed
+            if index >= num_kept_blocks:
+                self._dereference(block_id)
+        del request.block_ids[num_kept_blocks:]
+        # NOTE: nothing for its batch row to copy (rows are not cleared as lists shrink), marked all the same
+        # so that every change to the list goes through the one note.
+        mark_blocks_changed(request, num_kept_blocks)
+        del request.block_hashes[first_touched:]
+        request.num_computed_tokens = num_kept
 
     def free(self, request: Request) -> None:
         # Tail blocks first, so a shared prefix's head is the last thing evicted.

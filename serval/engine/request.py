@@ -119,6 +119,21 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def rollback_tokens(self, num_tokens: int) -> None:
+        """Drop the last `num_tokens` output tokens (rejected speculative drafts). Those computed must have
+        been forgotten first (BlockManager.rollback): no computed token may lie past the context. Its
+        constraint is the caller's to roll back (TokenConstraint.rollback): the drafts may not all have
+        been shown to it."""
+        if not 0 <= num_tokens <= self.num_output_tokens:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens of {self.num_output_tokens} output tokens"
+            )
+        if self.num_computed_tokens > self.num_tokens - num_tokens:
+            raise ValueError(
+                "the tokens to drop are still computed: roll back the KV cache first (BlockManager.rollback)"
+            )
+        del self.token_ids[self.num_tokens - num_tokens :]
+
     def check_stop(self, max_model_len: int) -> bool:
         """Decide after a new token whether the request is done; sets finish_reason."""
         last = self.token_ids[-1]

@@ -63,6 +63,11 @@ class Batch:
     # Per sequence: its prompt's media state (runner/media.py; ModelRunner.prepare_media made it), None for
     # text. Empty: no sequence of the step has media (every text-only model's steps).
     media: list[MediaPrompt | None] = field(default_factory=list)
+    # Per entry of sample_indices: how many of the sequence's last new tokens want logits, each the
+    # distribution of the token after it. A speculative step computes the last accepted token and k draft
+    # tokens and wants all k + 1 (ModelRunner.score); sampling (ModelRunner.execute) takes one each. Empty:
+    # one each, the last, as every step that samples.
+    num_logit_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +78,29 @@ class Batch:
         if isinstance(self.block_tables, torch.Tensor):
             return self.block_tables
         return padded_block_tables(self.block_tables)
+
+    def logit_row_counts(self) -> list[int]:
+        """How many logit rows each sampled sequence gets, in sample_indices order."""
+        return self.num_logit_rows or [1] * len(self.sample_indices)
+
+    def logit_rows(self) -> torch.Tensor:
+        """(sum of logit_row_counts(),) int64: the rows of the flat batch whose logits are wanted, sampled
+        sequence by sequence in sample_indices order, each sequence's in position order."""
+        ends = torch.tensor(self.num_new_tokens).cumsum(0)  # one past each sequence's last token row
+        if not self.num_logit_rows:  # the common step: only each sampled sequence's last row
+            return ends[self.sample_indices] - 1
+        if len(self.num_logit_rows) != len(self.sample_indices):
+            raise ValueError("num_logit_rows needs one count per entry of sample_indices")
+        rows: list[int] = []
+        for seq_index, count in zip(self.sample_indices, self.num_logit_rows):
+            if not 1 <= count <= self.num_new_tokens[seq_index]:
+                raise ValueError(
+                    f"sequence {seq_index} asks for {count} logit rows of its "
+                    f"{self.num_new_tokens[seq_index]} new tokens"
+                )
+            end = int(ends[seq_index])
+            rows.extend(range(end - count, end))
+        return torch.tensor(rows, dtype=torch.long)
 
 
 @dataclass

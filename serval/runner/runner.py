@@ -303,7 +303,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:
-        """Run the model over the batch; logits (len(sample_indices), vocab_size) float32 of sampled rows."""
+        """Run the model over the batch; logits (sum(batch.logit_row_counts()), vocab_size) float32 of the
+        sampled sequences' rows (Batch.logit_rows: one each unless num_logit_rows asks for more)."""
         device = self.device
         self.copy_blocks(batch.block_copies)
         media_rows = None
@@ -314,8 +315,7 @@ class ModelRunner:
             position_ids = position_ids.to(device)
         else:
             position_ids = _positions(batch).to(device)
-        ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1  # last token row of each sequence
-        logit_rows = ends[batch.sample_indices].to(device)
+        logit_rows = batch.logit_rows().to(device)  # each sampled sequence's last row, or last few
         meta = self._step_attention(batch)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         lora = None
@@ -343,8 +343,7 @@ class ModelRunner:
         hidden = self.model.hidden_states(input_ids, position_ids, self.kv_caches, meta)
         return [pool(rows, self.pooling) for rows in hidden.split(batch.num_new_tokens)]
 
-    @torch.inference_mode()
-    def execute(self, batch: Batch) -> SamplerOutput:
+    def _use_step_threads(self, batch: Batch) -> None:
         is_lone_decode = batch.num_seqs == 1 and batch.num_new_tokens[0] == 1
         num_threads = self.single_sequence_threads if is_lone_decode else self.num_threads
         # Changed only when the step kind changes (a run of lone decodes sets it once), not set and reset
@@ -352,6 +351,24 @@ class ModelRunner:
         # is the process's, and another runner (tests build several) may have changed it since.
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
+
+    @torch.inference_mode()
+    def score(self, batch: Batch) -> list[torch.Tensor]:
+        """Logits without sampling: per entry of sample_indices, (num_logit_rows[i], vocab_size) float32, row
+        j the distribution of the token after the sequence's j-th of its last num_logit_rows[i] new tokens.
+        A speculative step scores the last accepted token and k drafts at once: k + 1 rows, the same (up to
+        rounding) as k + 1 decode steps would give. The batch's `sampling` is not read."""
+        self._use_step_threads(batch)
+        return list(self.compute_logits(batch).split(batch.logit_row_counts()))
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> SamplerOutput:
+        """Sample one token per entry of sample_indices. NOTE: refuses a batch asking for more than one logit
+        row of a sequence rather than sampling its last: sampling several rows is speculative decoding's
+        verification, which is its own decision (score() gives it the rows)."""
+        if any(count != 1 for count in batch.num_logit_rows):
+            raise ValueError("execute() samples one token per sequence; score() gives several rows' logits")
+        self._use_step_threads(batch)
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)

@@ -14,8 +14,11 @@ starts inside reasoning when the prompt opened it, and otherwise takes a leading
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from serval.engine.constraint import MAX_ROLLBACK_TOKENS, check_rollback
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +144,13 @@ class ThinkingBudget:
 
     It tracks the reasoning from the sampled tokens' bytes (the tags are ASCII, so a character split across
     tokens cannot fake one), and forces `end_token_ids` one token at a time. The inner constraint, if any,
-    sees every token too and decides the rest."""
+    sees every token too and decides the rest.
+
+    Rollback (engine/constraint.py) replays: it keeps a copy of its counting state (the counter, the tags
+    still to force) from some tokens back and the tokens accepted since, and rebuilds the state before the
+    rolled-back ones from them. NOTE: a replay, not a snapshot per token: the counter may be a whole parser
+    (harmony's), and copying it at every token would cost every request, speculative or not. The copy moves
+    forward max_rollback_tokens at a time, so at most twice that many tokens are kept and replayed."""
 
     def __init__(
         self,
@@ -152,6 +161,7 @@ class ThinkingBudget:
         starts_in_reasoning: bool,
         inner: TokenConstraint | None = None,
         counter=None,  # what tells the reasoning (feed(text), is_reasoning, num_reasoning_tokens); <think>'s
+        max_rollback_tokens: int = MAX_ROLLBACK_TOKENS,
     ) -> None:
         self.budget = budget
         self.end_token_ids = end_token_ids
@@ -161,6 +171,10 @@ class ThinkingBudget:
         self.counter = counter if counter is not None else ReasoningTokenCounter(starts_in_reasoning)
         self.forced: list[int] = []  # end-tag tokens still to force
         self._bitmask: torch.Tensor | None = None
+        self.max_rollback_tokens = max_rollback_tokens
+        # (counter, forced) as they were before the oldest of recent_token_ids, which rollback replays.
+        self._checkpoint = (copy.deepcopy(self.counter), list(self.forced))
+        self.recent_token_ids: list[int] = []
 
     def allowed_token_bitmask(self) -> torch.Tensor | None:
         if not self.forced:
@@ -178,15 +192,39 @@ class ThinkingBudget:
     def accept_token(self, token_id: int) -> None:
         if self.inner is not None:
             self.inner.accept_token(token_id)
-        if self.forced:
-            self.forced.pop(0)
+        self.forced = self._count(self.counter, self.forced, token_id)
+        self.recent_token_ids.append(token_id)
+        if len(self.recent_token_ids) > 2 * self.max_rollback_tokens:
+            # Bring the checkpoint up to max_rollback_tokens behind: rollback never reaches further.
+            num_old = len(self.recent_token_ids) - self.max_rollback_tokens
+            counter, forced = self._checkpoint
+            for old_token_id in self.recent_token_ids[:num_old]:
+                forced = self._count(counter, forced, old_token_id)
+            self._checkpoint = (counter, forced)
+            del self.recent_token_ids[:num_old]
+
+    def _count(self, counter, forced: list[int], token_id: int) -> list[int]:
+        """Feed a token to `counter`; returns the end-tag tokens still to force after it."""
+        forced = forced[1:]
         try:
             text = self.token_bytes(token_id).decode("utf-8", errors="replace")
         except ValueError:  # an id past the tokenizer's vocabulary (the model's may be wider): no text
             text = ""
-        self.counter.feed(text)
-        if not self.forced and self.counter.is_reasoning and self.counter.num_reasoning_tokens >= self.budget:
-            self.forced = list(self.end_token_ids)
+        counter.feed(text)
+        if not forced and counter.is_reasoning and counter.num_reasoning_tokens >= self.budget:
+            return list(self.end_token_ids)
+        return forced
+
+    def rollback(self, num_tokens: int) -> None:
+        num_kept = min(len(self.recent_token_ids), self.max_rollback_tokens)
+        check_rollback(num_tokens, num_kept, self.max_rollback_tokens)
+        if self.inner is not None:
+            self.inner.rollback(num_tokens)  # first: should it refuse, nothing here has changed
+        kept = self.recent_token_ids[: len(self.recent_token_ids) - num_tokens]
+        counter, forced = copy.deepcopy(self._checkpoint[0]), list(self._checkpoint[1])
+        for token_id in kept:
+            forced = self._count(counter, forced, token_id)
+        self.counter, self.forced, self.recent_token_ids = counter, forced, kept
 
     @property
     def is_finished(self) -> bool:

@@ -36,10 +36,11 @@ import hashlib
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from serval.engine.constraint import MAX_ROLLBACK_TOKENS, check_rollback
 from serval.serving.errors import InvalidRequestError, ServerBusyError
 from serval.serving.grammar_pool import GrammarLimits, GrammarPool, GrammarRefused
 
@@ -143,14 +144,22 @@ class Grammar:
 class GrammarConstraint:
     """The engine's TokenConstraint over one xgrammar matcher (see engine/constraint.py)."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(
+        self, compiled: Any, vocab_size: int, max_rollback_tokens: int = MAX_ROLLBACK_TOKENS
+    ) -> None:
         import xgrammar
 
         self.compiled = compiled
         self.vocab_size = vocab_size
+        # NOTE: no max_rollback_tokens for xgrammar: the pinned version deprecates it and keeps its whole
+        # history. The window is enforced here instead, so every constraint keeps the one contract.
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # (1, ceil(vocab_size / 32)) int32
-        self.is_rejected = False
+        self.max_rollback_tokens = max_rollback_tokens
+        # Whether the matcher took each of the last accepted tokens (a rejected one left it where it was):
+        # rollback takes back from the matcher only those it took.
+        self.recent_advances: deque[bool] = deque(maxlen=max_rollback_tokens)
+        self.num_rejected = 0
 
     def allowed_token_bitmask(self) -> torch.Tensor:
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
@@ -159,8 +168,20 @@ class GrammarConstraint:
     def accept_token(self, token_id: int) -> None:
         # The mask makes a rejection impossible; should one happen anyway, end the request rather than let
         # the matcher and the text drift apart.
-        if not self.matcher.accept_token(token_id):
-            self.is_rejected = True
+        advanced = self.matcher.accept_token(token_id)
+        self.num_rejected += not advanced
+        self.recent_advances.append(advanced)
+
+    def rollback(self, num_tokens: int) -> None:
+        check_rollback(num_tokens, len(self.recent_advances), self.max_rollback_tokens)
+        taken_back = [self.recent_advances.pop() for _ in range(num_tokens)]
+        self.num_rejected -= taken_back.count(False)
+        if any(taken_back):
+            self.matcher.rollback(sum(taken_back))
+
+    @property
+    def is_rejected(self) -> bool:
+        return self.num_rejected > 0
 
     @property
     def is_finished(self) -> bool:
@@ -171,19 +192,21 @@ class GrammarConstraint:
         # objects don't pickle, so the compiled grammar and its tokenizer table travel as JSON and the matcher
         # starts afresh. NOTE: the table is ~1.6 MB for a 49k vocabulary, ~50 ms to read back, per request.
         compiled = self.compiled
+        tokenizer_json = compiled.tokenizer_info.serialize_json()
         return (
             _constraint_from_json,
-            (compiled.serialize_json(), compiled.tokenizer_info.serialize_json(), self.vocab_size),
+            (compiled.serialize_json(), tokenizer_json, self.vocab_size, self.max_rollback_tokens),
         )
 
 
-def _constraint_from_json(compiled_json: str, tokenizer_json: str, vocab_size: int) -> GrammarConstraint:
+def _constraint_from_json(
+    compiled_json: str, tokenizer_json: str, vocab_size: int, max_rollback_tokens: int = MAX_ROLLBACK_TOKENS
+) -> GrammarConstraint:
     import xgrammar
 
     tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_json)
-    return GrammarConstraint(
-        xgrammar.CompiledGrammar.deserialize_json(compiled_json, tokenizer_info), vocab_size
-    )
+    compiled = xgrammar.CompiledGrammar.deserialize_json(compiled_json, tokenizer_info)
+    return GrammarConstraint(compiled, vocab_size, max_rollback_tokens)
 
 
 class GrammarCompiler:

@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: StepAttention,
-        logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (the last of each sampled sequence)
+        logit_rows: torch.Tensor,  # (num_rows,) which tokens need logits (Batch.logit_rows)
         lora: LoraBatch | None = None,  # which tokens use which adapter; None: the base model for all
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         x = self.embed(input_ids)
