@@ -134,7 +134,7 @@ def sampling_row(request: Request) -> SamplingRow:
     if request.beam_group is not None:
         # A beam needs its most likely continuations under the raw distribution, nothing sampled.
         num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
-        return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
+        return SamplingRow(num_logprobs=num_logprobs)  # greedy, every other transform off
     banned: list[int] = []
     if request.num_output_tokens < p.min_tokens:
         banned = sorted(request.stop_token_ids | (frozenset() if p.ignore_eos else request.eos_token_ids))
