@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from serval.engine.outputs import RequestMetrics, TokenLogprob
-from serval.engine.request import Request
+from serval.engine.outputs import TokenLogprob
+from serval.engine.request import Request, RequestTiming
 from serval.sampling import SamplingParams
 
 
@@ -81,9 +81,9 @@ class BeamSearchGroup:
         self.num_forks = 0
         self.root: Request | None = None  # the first beam (its prefix-cache hits are the group's)
         self._pending: list[tuple[_Candidate, list[TokenLogprob]]] = []  # advance's continuations, to adopt
-        # Timing of the group as a whole (usage's per-token arrays), in the shape Engine._record_timing reads.
+        # Timing of the group as a whole (usage's per-token arrays), in the shape request.record_timing fills.
         now = time.monotonic()
-        self.metrics = RequestMetrics(arrival_time=now)
+        self.timing = RequestTiming(arrival_time=now)
         self.last_token_time = now
 
     @property
@@ -93,7 +93,7 @@ class BeamSearchGroup:
     def add_root(self, beam: Request) -> None:
         """The first beam: the prompt alone. Its prefill timings and prefix-cache hits are the group's."""
         self.root = beam
-        self.metrics = beam.metrics
+        self.timing = beam.timing
         beam.beam_group = self
         self.running.append(beam)
         self.cumulative_logprobs[beam.request_id] = 0.0

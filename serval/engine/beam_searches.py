@@ -119,6 +119,6 @@ def _output(group: BeamSearchGroup, finish_reason: str | None) -> RequestOutput:
         num_output_tokens=sum(len(b.token_ids) for b in beams),
         finished=True,
         finish_reason=finish_reason or (beams[0].finish_reason if beams else "length"),
-        metrics=group.metrics,
+        timing=group.timing.take_step(),  # every token's entries: a search has this one output
         beams=beams,
     )

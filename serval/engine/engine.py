@@ -238,10 +238,10 @@ class Engine:
                 request.num_pinned_prompt_tokens = 0
             if request.followers and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_followers(request)
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = started
+            if request.timing.first_scheduled_time is None:
+                request.timing.first_scheduled_time = started
             if request.num_output_tokens == 0:
-                request.metrics.prefill_time_ms += elapsed * 1000.0
+                request.timing.prefill_time_ms += elapsed * 1000.0
         outputs = []
         reported: dict[str, BeamSearchGroup] = {}
         for row, seq_index in enumerate(batch.sample_indices):
@@ -300,7 +300,7 @@ class Engine:
             finished=request.finish_reason is not None,
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,
-            metrics=request.metrics,
+            timing=request.timing.take_step(),
         )
 
 

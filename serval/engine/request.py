@@ -15,7 +15,7 @@ import torch
 
 from serval.engine.constraint import TokenConstraint
 from serval.engine.lora import LoraCard
-from serval.engine.outputs import RequestMetrics
+from serval.engine.outputs import StepTiming
 from serval.runner.batch import SamplingRow
 from serval.runner.media import MediaInput, MediaPrompt
 from serval.sampling import SamplingParams
@@ -79,7 +79,7 @@ class Request:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
         now = time.monotonic() if arrival_time is None else arrival_time
-        self.metrics = RequestMetrics(arrival_time=now)
+        self.timing = RequestTiming(arrival_time=now)
         self.last_token_time = now  # when the previous token was produced (or arrival)
 
     @property
@@ -160,7 +160,7 @@ def sampling_row(request: Request) -> SamplingRow:
     if request.beam_group is not None:
         # A beam needs its most likely continuations under the raw distribution, nothing sampled.
         num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
-        return SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, num_logprobs, None)
+        return SamplingRow(num_logprobs=num_logprobs)  # greedy, every other transform off
     if request.fixed_sampling_row is None:
         request.fixed_sampling_row = _fixed_sampling_row(request)
     changes = {}
@@ -193,14 +193,43 @@ def _fixed_sampling_row(request: Request) -> SamplingRow:
     )
 
 
+class RequestTiming:
+    """The engine thread's own running timings of one request (or beam search). Nothing reads them but
+    `take_step`, which hands the entries gathered since the previous output over as a frozen StepTiming."""
+
+    def __init__(self, arrival_time: float) -> None:
+        self.arrival_time = arrival_time  # time.monotonic() when the engine accepted the request
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.prefill_time_ms = 0.0  # wall time of the steps that computed the prompt
+        # Per token made since the previous output (StepTiming says what each is); emptied by take_step.
+        self.batch_sizes: list[int] = []
+        self.queue_wait_us: list[int] = []
+        self.decode_time_ms: list[float] = []
+
+    def take_step(self) -> StepTiming:
+        """The timings for the request's next output; the per-token entries leave with it."""
+        step = StepTiming(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            prefill_time_ms=self.prefill_time_ms,
+            batch_sizes=tuple(self.batch_sizes),
+            queue_wait_us=tuple(self.queue_wait_us),
+            decode_time_ms=tuple(self.decode_time_ms),
+        )
+        self.batch_sizes, self.queue_wait_us, self.decode_time_ms = [], [], []
+        return step
+
+
 def record_timing(request, batch_size: int, started: float, elapsed: float, now: float) -> None:
     """A token of `request` (or of a beam search: BeamSearchGroup has the same timing fields) was made by the
     step that started at `started` and took `elapsed` seconds, in a batch of `batch_size` sequences."""
-    m = request.metrics
-    m.batch_sizes.append(batch_size)
-    m.queue_wait_us.append(max(0, int((started - request.last_token_time) * 1e6)))
+    t = request.timing
+    t.batch_sizes.append(batch_size)
+    t.queue_wait_us.append(max(0, int((started - request.last_token_time) * 1e6)))
     if request.num_output_tokens == 0:
-        m.first_token_time = now
+        t.first_token_time = now
     else:
-        m.decode_time_ms.append(elapsed * 1000.0)
+        t.decode_time_ms.append(elapsed * 1000.0)
     request.last_token_time = now

@@ -17,19 +17,20 @@ if TYPE_CHECKING:
     from serval.runner.media import MediaPrompt
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingRow:
-    """How to pick the next token of one sequence that completes its context this step."""
+    """How to pick the next token of one sequence that completes its context this step. Built by keyword
+    only; every default means "off", so `SamplingRow()` is plain greedy decoding with no logprobs."""
 
-    temperature: float  # 0: greedy
-    top_k: int  # 0: off
-    top_p: float  # 1: off
-    min_p: float  # 0: off
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    num_logprobs: int | None  # None: none; k: the chosen token's logprob and the top k
-    generator: torch.Generator | None  # the request's own generator when it has a seed
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    num_logprobs: int | None = None  # None: none; k: the chosen token's logprob and the top k
+    generator: torch.Generator | None = None  # the request's own generator when it has a seed
     output_token_ids: list[int] = field(default_factory=list)  # for presence/frequency penalties
     prompt_token_ids: list[int] = field(default_factory=list)  # with the outputs, for repetition_penalty
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while under min_tokens

@@ -127,10 +127,10 @@ def usage_of(prompts: list[list[int]], sequences: list[SequencePlan], streams: l
         num_reasoning_tokens=sum(stream.num_reasoning_tokens for stream in streams),
     )
     longest = max(streams, key=lambda stream: stream.num_output_tokens, default=None)
-    if longest is not None and longest.metrics is not None:
-        metrics = longest.metrics
-        usage.batch_sizes = list(metrics.batch_sizes)
-        usage.queue_wait_us = list(metrics.queue_wait_us)
-        usage.prefill_time_ms = metrics.prefill_time_ms
-        usage.decode_time_ms = list(metrics.decode_time_ms)
+    if longest is not None:
+        timing = longest.timing
+        usage.batch_sizes = list(timing.batch_sizes)
+        usage.queue_wait_us = list(timing.queue_wait_us)
+        usage.prefill_time_ms = timing.prefill_time_ms
+        usage.decode_time_ms = list(timing.decode_time_ms)
     return usage

@@ -131,6 +131,11 @@ class GrammarPool:
         with self._lock:
             return sum(worker.process.is_alive() for worker in self._workers)
 
+    @property
+    def num_busy_workers(self) -> int:
+        """Workers taken for a compile now (what a test waits on before it sends the next one)."""
+        return self.limits.num_workers - self._idle.qsize() if self._is_started else 0
+
     def check(self, spec: dict[str, Any]) -> None:
         """Compile `spec` in a worker within the limits; raise GrammarRefused if it did not. Blocking."""
         self._start()

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from serval.engine.outputs import RequestMetrics, RequestOutput
+from serval.engine.outputs import RequestOutput, StepTiming
 from serval.sampling import SamplingParams
 from serval.serving.detokenizer import IncrementalDetokenizer
 from serval.serving.errors import EngineError
@@ -83,6 +83,24 @@ class Usage:
 Event = ChoiceDelta | Usage
 
 
+@dataclass
+class TimingTotals:
+    """One choice's timings, summed on the event loop from the StepTimings of the outputs it took in: each
+    token's entries arrive once, with its output. What a choice ended by a stop string reports is complete
+    from its own outputs, whatever the engine did before the abort reached it."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    queue_wait_us: list[int] = field(default_factory=list)
+    prefill_time_ms: float = 0.0
+    decode_time_ms: list[float] = field(default_factory=list)
+
+    def add(self, step: StepTiming) -> None:
+        self.batch_sizes.extend(step.batch_sizes)
+        self.queue_wait_us.extend(step.queue_wait_us)
+        self.prefill_time_ms = step.prefill_time_ms  # a running value, not a delta
+        self.decode_time_ms.extend(step.decode_time_ms)
+
+
 def token_text(tokenizer: TokenText, token_id: int) -> tuple[str, bytes]:
     try:
         raw = tokenizer.token_bytes(token_id)
@@ -115,7 +133,7 @@ class ChoiceStream:
         self.num_cached_tokens = 0
         self.num_newly_pinned_tokens = 0
         self.cumulative_logprob: float | None = None
-        self.metrics: RequestMetrics | None = None
+        self.timing = TimingTotals()
         self.finish_reason: str | None = None
         self.parser = OutputParser(plan) if plan is not None and not plan.is_plain else None
 
@@ -138,8 +156,8 @@ class ChoiceStream:
         self.num_output_tokens += len(token_ids)
         self.num_cached_tokens = output.num_cached_tokens
         self.num_newly_pinned_tokens = output.num_newly_pinned_tokens
-        if output.metrics is not None:
-            self.metrics = output.metrics
+        if output.timing is not None:
+            self.timing.add(output.timing)
         text_ids = token_ids
         # The finishing EOS / stop_token_ids token is generated but not part of the answer's text.
         ends_with_stop_token = output.finished and output.stop_token_id is not None

@@ -265,6 +265,10 @@ class GrammarCompiler:
     def num_live_workers(self) -> int:
         return 0 if self._gate is None else self._gate.num_live_workers
 
+    @property
+    def num_busy_workers(self) -> int:
+        return 0 if self._gate is None else self._gate.num_busy_workers
+
     async def compile(self, spec: dict[str, Any], param: str) -> Grammar:
         """spec: {"type": "json_object"}, {"type": "json_schema", "schema": ..., "strict": bool}, or
         {"type": "structural_tag", "format": ...} (xgrammar's structural tag format). InvalidRequestError

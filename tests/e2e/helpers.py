@@ -1,10 +1,11 @@
-"""Small helpers for the real-server tests: raw SSE reading, metric scraping, and child processes that end
-with the test run."""
+"""Small helpers for the real-server tests: raw SSE reading, metric scraping, waiting on a state, and child
+processes that end with the test run (and the CPU time they use)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import signal
 import sys
@@ -77,3 +78,28 @@ def wait_until_idle(
         return running == waiting == 0 and usage <= kv_usage
 
     wait_for(read, is_idle, timeout, "idle")
+
+
+def cpu_seconds_below(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) each process below `pid` has used so far, by pid (Linux's /proc): what
+    shows a server's worker process (a grammar compile's) at work, where no endpoint does."""
+    parent_of: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # After the command's closing parenthesis: state, ppid, ... utime and stime (fields 14, 15).
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        parent_of[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    below, frontier = {}, [pid]
+    while frontier:
+        parents = set(frontier)
+        frontier = [child for child, parent in parent_of.items() if parent in parents]
+        below.update((child, cpu[child]) for child in frontier)
+    return below

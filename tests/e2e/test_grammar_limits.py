@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import pytest
 
 from tests.api.invalid_cases import CHAT, check_error
-from tests.e2e.helpers import wait_until_idle
+from tests.e2e.helpers import cpu_seconds_below, wait_for, wait_until_idle
 
 # SLOW compiles well past the server's 10 s deadline on any CPU here, in little memory.
 from tests.serving.test_grammar_limits import SLOW
@@ -40,8 +39,15 @@ def test_a_slow_schema_is_a_400_and_holds_up_no_one(server):
     # The first structured request starts the worker processes (seconds); here it is not the one measured.
     assert structured(server, {"type": "object"}).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # The slow schema is in a worker once a process below the server spends CPU time (no endpoint says so).
+        before = cpu_seconds_below(server.process.pid)
         slow = pool.submit(structured, server, SLOW)
-        time.sleep(0.5)  # the slow schema is in a worker
+        wait_for(
+            lambda: cpu_seconds_below(server.process.pid),
+            lambda now: any(seconds - before.get(pid, 0.0) >= 0.2 for pid, seconds in now.items()),
+            60,
+            "a grammar worker process at work on the slow schema",
+        )
         normal = structured(server, COLOR)
         assert not slow.done()  # answered while the slow schema was still compiling
         refused = slow.result()

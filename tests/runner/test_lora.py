@@ -109,7 +109,7 @@ def test_greedy_in_one_batch_matches_peft(setup):
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens[output.request_id].extend(output.new_token_ids)
-            batch_sizes.append(output.metrics.batch_sizes[-1])
+            batch_sizes.append(output.timing.batch_sizes[-1])
     assert max(batch_sizes) == 3  # they really shared steps
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     for i, name in enumerate(names):

@@ -65,7 +65,7 @@ def test_a_model_that_cannot_be_split_is_refused(overrides, world_size, message)
 
 
 def test_the_batch_crosses_the_wire_as_the_workers_need_it():
-    row = SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, None, None)
+    row = SamplingRow()  # greedy, no logprobs: every default is off
     batch = Batch(
         token_ids=[5, 6, 7, 8],
         num_new_tokens=[3, 1],
@@ -102,7 +102,7 @@ def test_packed_blocks_cut_exactly_along_rows_and_columns():
 
 
 def _prefill_batch(prompts: list[list[int]]) -> Batch:
-    row = SamplingRow(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, None, None)
+    row = SamplingRow()  # greedy, no logprobs: every default is off
     tables, next_block = [], 0
     for prompt in prompts:
         num_blocks = -(-len(prompt) // 16)

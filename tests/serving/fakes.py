@@ -165,7 +165,7 @@ class FakeStream:
         import asyncio
         import math
 
-        from serval.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+        from serval.engine.outputs import RequestOutput, StepTiming, TokenLogprob
 
         request, engine = self.request, self.engine
         params, eos_token_ids = request.params, request.eos_token_ids
@@ -175,15 +175,12 @@ class FakeStream:
         stops = not params.max_tokens or len(all_ids) < params.max_tokens
         if stops:
             ids.append(eos_token_ids[0])
-        metrics = RequestMetrics(arrival_time=0.0)
         try:
             for step, token_id in enumerate(ids):
                 if step == engine.stall_after:
                     await asyncio.Event().wait()  # never set: closing the stream cancels the task feeding it
                 await asyncio.sleep(engine.delay)
                 last = step == len(ids) - 1
-                metrics.batch_sizes.append(1)
-                metrics.queue_wait_us.append(10)
                 logprob = -0.1 * ((params.seed or 0) + 1)
                 logprobs = None
                 if params.logprobs is not None:
@@ -200,7 +197,14 @@ class FakeStream:
                     finished=last,
                     finish_reason=("stop" if stops else "length") if last else None,
                     stop_token_id=eos_token_ids[0] if last and stops else None,
-                    metrics=metrics,
+                    timing=StepTiming(
+                        arrival_time=0.0,
+                        first_scheduled_time=None,
+                        first_token_time=None,
+                        prefill_time_ms=0.0,
+                        batch_sizes=(1,),
+                        queue_wait_us=(10,),
+                    ),
                 )
             engine.finished.append(request.request_id)
         finally:

@@ -52,7 +52,10 @@ def test_a_compile_past_its_deadline_is_killed_and_others_go_on(tokenizer):
         await compiler.compile({"type": "json_object"}, "response_format")  # starts the workers
         finished: list = []
         slow = asyncio.create_task(outcome(compiler, "slow", schema_spec(SLOW), "response_format", finished))
-        await asyncio.sleep(0.2)  # the slow one holds a worker
+        deadline = time.monotonic() + 60  # a bound on a failure: taking a free worker is quick
+        while compiler.num_busy_workers < 1:  # until the slow one holds a worker
+            assert time.monotonic() < deadline, "the slow compile never took a worker"
+            await asyncio.sleep(0.01)  # a poll interval
         await outcome(compiler, "normal", schema_spec(NORMAL), "response_format", finished)
         await slow
         # The normal compile was answered while the slow one was still running in the other worker.
