@@ -1,11 +1,11 @@
-"""The packed matmul past 8 rows (prefill, large decode batches) against PyTorch's matmul over a dense copy of
-the same weights, in the model's compute dtype: what `quantized_tiles.cpp` costs beside the copy it replaces.
+"""The packed matmul (decode, prefill, large decode batches) against PyTorch's matmul over a dense copy of the
+same weights, in the model's compute dtype: what the packed integer paths cost beside the copy they replace.
 
     .venv/bin/python bench/batch_matmul.py --type Q4_0 --shapes 3072x2048,2048x8192 --rows 16,64,137
     .venv/bin/python bench/batch_matmul.py --type Q6_K --shapes 8192x2048 --rows 1 --cold
     .venv/bin/python bench/batch_matmul.py --type Q4_0 --rows 16,128 --int8-activations
 
---int8-activations times the opt-in path of `--batch-activations int8` (x rounded to int8 past 8 rows).
+--int8-activations times `--batch-activations int8`'s path, the server's default (x rounded to int8 per block).
 
 Each shape is N x K (outputs x inputs) of random weights quantized to the type (the `gguf` package's
 quantizer, the tests' round-to-nearest one for the k-quants); one JSON line per shape and row count with both
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--variant", default=None, help="kernel variant (default: the best this CPU runs)")
     parser.add_argument("--cold", action="store_true", help="weights from memory, not cache, every call")
-    parser.add_argument("--int8-activations", action="store_true", help="x rounded to int8 past 8 rows")
+    parser.add_argument("--int8-activations", action="store_true", help="x rounded to int8 per block (the default)")
     args = parser.parse_args()
     flush = torch.ones(64 * 1024 * 1024) if args.cold else None
     before = (lambda: flush.add_(1)) if args.cold else None

@@ -93,7 +93,7 @@ def main() -> None:
         "--batch-activations",
         default="int8",
         choices=["int8", "float32"],
-        help="as serve's flag: int8 x at every row count on AVX2, past 8 rows with AVX-512-VNNI",
+        help="as serve's flag: int8 x at every row count over 4-bit codes",
     )
     parser.add_argument(
         "--as-cpu-without-bf16",

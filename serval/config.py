@@ -26,9 +26,8 @@ class ModelConfig:
     # uses 1 (same median latency as 2 threads on 2 cores, lower p99:
     # docs/benchmarks/2026-11-29-to-12-01.md).
     single_sequence_threads: int = 0
-    # How matmuls over packed 4-bit weights take x: every batch on AVX2 (whose int16 products bound even a
-    # batch-1 decode there), past 8 rows with AVX-512-VNNI (where a decode step's int16 products keep pace):
-    # "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products an
+    # How matmuls over packed 4-bit weights take x, at every row count (one path, so that a row's numbers do
+    # not depend on its batch): "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products an
     # instruction of the exact paths; teacher-forced divergence from fp32 on the default model below
     # llama.cpp's own, docs/benchmarks/2026-12-04.md); "float32", exact products of the file's weights.
     batch_activations: str = "int8"

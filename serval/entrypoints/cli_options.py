@@ -214,7 +214,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-activations",
         choices=["float32", "int8"],
-        help="matmuls over packed 4-bit weights (every batch on AVX2, batches past 8 rows with AVX-512-VNNI): "
+        help="matmuls over packed 4-bit weights (every row count): "
         "int8 (default: x rounded per block of 32 as llama.cpp does, outliers "
         "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model) or "
         "float32 (exact products of the file's weights; docs/benchmarks/2026-12-04.md)",

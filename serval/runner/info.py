@@ -23,7 +23,7 @@ class RunnerInfo:
     kernel_variant: str = "none"  # the native CPU kernels in use (kernels.VARIANTS' names), or none
     attention_backend: str = "sdpa"  # runner/attention/selector.py's choice: "native-cpu" or "sdpa"
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
-    # How packed 4-bit matmuls take x (every batch on AVX2, past 8 rows with AVX-512-VNNI), in effect:
+    # How packed 4-bit matmuls take x (every row count, wherever AVX2 is), in effect:
     # "int8" (x rounded per block, the default where the kernels have it) or "float32" (exact products: asked
     # for, or no packed weights or int8 kernel).
     batch_activations: str = "float32"

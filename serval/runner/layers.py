@@ -210,7 +210,7 @@ def use_native_kernels(model: nn.Module, kernels, int8_batch_activations: bool =
 
     The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
     and SwiGLU take bf16 or fp32. int8_batch_activations: the quantized kernel rounds x to int8 over 4-bit codes
-    (every row count on AVX2, past 8 rows with AVX-512-VNNI: kernels.int8_rows_from; `--batch-activations int8`).
+    (every row count wherever AVX2 is: kernels.int8_rows_from; `--batch-activations int8`).
     """
     for module in model.modules():
         if isinstance(module, Linear):

@@ -169,7 +169,7 @@ def test_native_experts_equal_the_pytorch_path_on_the_same_packed_weights(
             pytest.skip("no native kernels on this machine")
         moe = _sparse_layers(engine)[0]
         torch.manual_seed(0)
-        for num_tokens in (1, 3, 17, 64):  # decode rows, few rows per expert, the tiles' batches
+        for num_tokens in (1, 3, 17, 64):  # decode rows, few rows per expert, many
             x = torch.randn(num_tokens, reference.config.hidden_size)
             ids, weights = moe.route(x)
             native = moe(x)

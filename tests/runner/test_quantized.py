@@ -27,8 +27,6 @@ from tests.fixtures.quants import random_blocks
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Every block type, in the order of GGML's enum.
 BLOCK_TYPES = sorted(BLOCK_CODE_TYPES)
-# quantized_linear.cpp's kIntegerRowsMax: up to this many rows the int16 dot products, past it the tiles.
-INTEGER_ROWS_MAX = 16
 
 
 def _gguf_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -188,8 +186,8 @@ def _reference(
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 64])
 def test_quantized_matmul_matches_reference(kernels, qtype, rows):
-    # K = 768: 3 super-blocks of the k-quants, and for the tiled path a slice of 256 and a partial one
-    # where it applies (K 352 for the 32-weight formats).
+    # K = 768: 3 super-blocks of the k-quants; K 352 for the 32-weight formats (11 blocks: not a multiple
+    # of any pass over K).
     cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
     raw, weight = _file_matrix(qtype, 72, cols, seed=rows)
     block = block_codes(raw, qtype, (72, cols))
@@ -202,14 +200,11 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     got = packed.matmul(kernels.quantized_linear, x)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     exact = x.double() @ weight.double().t()
-    if rows <= INTEGER_ROWS_MAX:
-        # Integer dot products: x rounded to int16 per block (2^-15 of each block's largest value).
-        expected = _reference(x, weight, _offsets(block)).float()
-        assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
-        assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
-    else:
-        # Dequantized tiles: the file's exact weights times x in fp32.
-        assert (got.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
+    # Integer dot products at every row count: x rounded to int16 per block (2^-15 of each block's largest
+    # value).
+    expected = _reference(x, weight, _offsets(block)).float()
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
+    assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
     if rows >= kernels.int8_rows_from:  # int8 x where the build has it (portable: 0, never)
         int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
         if packed.bits == 4 and kernels.int8_rows_from:
@@ -220,19 +215,32 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
             assert error.max().item() < 5e-2
         else:  # no int8 path for this layout or build: what the kernel computes without it
             assert torch.equal(int8, got)
-    # bf16 x (a bf16 model): past INTEGER_ROWS_MAX rows on AVX512-BF16 the weights are rounded to bf16 in registers, as a
-    # dense bf16 copy would hold them, and the pairs summed in fp32 (VDPBF16PS); elsewhere the products
-    # are of the exact weights. Either way within bf16's rounding of the weights and of the result.
+    # bf16 x (a bf16 model): the products are of the exact weights, within bf16's rounding of the result.
     xb = x.bfloat16()
     got_bf16 = packed.matmul(kernels.quantized_linear, xb)
     assert got_bf16.shape == (rows, 72) and got_bf16.dtype == torch.bfloat16
     magnitude = xb.double().abs() @ weight.double().abs().t()
     exact_bf16_x = xb.double() @ weight.double().t()
     assert ((got_bf16.double() - exact_bf16_x).abs() <= 2**-7 * magnitude + 1e-6).all()
-    if rows > INTEGER_ROWS_MAX and kernels.variant == "avx512":
-        dense_bf16 = xb.double() @ weight.bfloat16().double().t()
-        bound = 2**-8 * dense_bf16.abs() + 1e-5 * magnitude.max()
-        assert ((got_bf16.double() - dense_bf16).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("int8", [False, True], ids=["int16_x", "int8_x"])
+def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8):
+    """Batch invariance at the matmul: a row's output is bitwise the same alone and among any number of
+    other rows (a decode alone, in a batch of 64, in a prefill chunk), for fp32 and bf16 x, outliers included."""
+    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    raw, _ = _file_matrix(qtype, 40, cols, seed=3)
+    packed = pack_block_codes(block_codes(raw, qtype, (40, cols)))
+    kernel = quantized_matmul(kernels, int8_batch_activations=int8)
+    torch.manual_seed(3)
+    x = torch.randn(70, cols) * 3
+    x[6, 5] = 800.0  # an outlier, kept exact by the int8 path: per row, too
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = x.to(dtype)
+        alone = torch.cat([packed.matmul(kernel, rows[r : r + 1]) for r in range(len(rows))])
+        for count in (2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 70):
+            assert torch.equal(packed.matmul(kernel, rows[:count]), alone[:count]), (dtype, count)
 
 
 @pytest.mark.parametrize(
@@ -251,7 +259,7 @@ def test_rounded_x_meets_the_file_weights_not_their_codes(kernels, qtype, rows):
     exact = x.double() @ weight.double().t()
     for levels, kernel in ((32767, kernels.quantized_linear), (127, quantized_matmul(kernels, True))):
         if levels == 127 and not (kernels.int8_rows_from and rows >= kernels.int8_rows_from):
-            continue  # int8 x from int8_rows_from rows (1 on AVX2, 9 with AVX-512-VNNI), where the build has it
+            continue  # int8 x wherever the build has it (int8_rows_from: 1 with AVX2, 0 in the portable build)
         blocks = x.reshape(rows, -1, BLOCK)
         step = blocks.abs().amax(-1, keepdim=True) / levels
         rounded = (torch.round(blocks / step) * step).reshape(rows, -1)

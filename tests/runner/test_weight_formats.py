@@ -155,8 +155,8 @@ def test_fused_shards_are_packed_straight_into_one_matrix(model_file, kernels, m
 
 
 def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, kernels, monkeypatch):
-    """--batch-activations int8, the default: prefill (past 8 rows with AVX-512-VNNI) rounds x to int8 per
-    block over 4-bit codes, and on AVX2 one-row decode steps too; the logits stay close to the exact path's."""
+    """--batch-activations int8, the default: prefill and one-row decode steps round x to int8 per block over
+    4-bit codes; the logits stay close to the exact path's."""
     from transformers import LlamaConfig
 
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
@@ -178,8 +178,7 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
         assert (got - want).abs().max().item() < 5e-2 * scale
         if kernels.int8_rows_from and len(prompt) >= kernels.int8_rows_from:
             assert not torch.equal(got, want)  # the portable build has no int8 path
-        # A decode step's one row is int8 on AVX2, int16 with AVX-512-VNNI; its cache holds the int8
-        # prefill's K and V.
+        # A decode step's one row is int8 too; its cache holds the int8 prefill's K and V.
         decoded = _decode_logits(rounded, prompt)
         assert (decoded - _decode_logits(exact, prompt)).abs().max().item() < 5e-2 * scale
     with pytest.raises(ValueError, match="batch_activations"):

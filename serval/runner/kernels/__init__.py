@@ -41,7 +41,6 @@ SOURCES = tuple(
         "prefill_attention.cpp",
         "decode_stack.cpp",
         "quantized_linear.cpp",
-        "quantized_tiles.cpp",
         "quantized_int8.cpp",
         "half_linear.cpp",
         "gguf_repack.cpp",
@@ -133,18 +132,15 @@ UNBOUNDED_ROWS = 2**62
 
 def packed_rows_limit(kernels) -> int:
     """Up to how many rows of x a matmul with packed low-bit weights runs in the quantized kernel: every row
-    count wherever the kernels are built (none without them).
-
-    Past 8 rows the kernel dequantizes a tile at a time (`quantized_tiles.cpp`): in fp32, or with bf16
-    activations on AVX512-BF16 into bf16 pairs for VDPBF16PS, which measured within ~15% of oneDNN's bf16
-    matmul over a dense bf16 copy (docs/benchmarks/2026-12-03.md) while the model stays at the file's size.
+    count wherever the kernels are built (none without them), each row computed alike whatever the count
+    (integer dot products in passes over each group's codes), so that a row's numbers never depend on its batch.
     """
     return 0 if kernels is None else UNBOUNDED_ROWS
 
 
 def quantized_matmul(kernels, int8_batch_activations: bool):
     """kernels.quantized_linear, with x rounded to int8 where asked (its last argument; from
-    kernels.int8_rows_from rows: 1 on AVX2, 9 with AVX-512-VNNI, never in the portable build): what the
+    kernels.int8_rows_from rows: 1 wherever AVX2 is, never in the portable build): what the
     model's packed matmuls call."""
     if not int8_batch_activations:
         return kernels.quantized_linear

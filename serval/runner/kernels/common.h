@@ -97,6 +97,30 @@ inline const float* sink_logits(const at::Tensor& sinks, int64_t num_heads) {
   return sinks.data_ptr<float>();
 }
 
+// The scaled q.k of one query with the W keys of a tile, a key a lane: the one way both attention kernels
+// form a score, so that a query's bits are the same whether it is decoded or sits in a prefill chunk of any
+// length (batch invariance: docs/architecture.md). q: the query's D values in fp32 registers (C = D / W of
+// them, C even); key(i) points at key i's D values (the cache's dtype or fp32: widened exactly); lanes from
+// num_keys on are zero. Each key's products go in two chains (even and odd vectors), added, and summed
+// across the vector by sum_each; the scale is applied last.
+template <int C, typename KeyRow>
+inline simd::Vec tile_scores(const simd::Vec* q, int64_t num_keys, KeyRow key, simd::Vec scale) {
+  static_assert(C >= 2 && C % 2 == 0, "two chains of whole vectors");
+  constexpr int W = simd::kWidth;
+  simd::Vec partial[W];
+  for (int64_t i = 0; i < W; ++i) {
+    if (i >= num_keys) { partial[i] = simd::zero(); continue; }
+    const auto* k = key(i);
+    simd::Vec a = simd::mul(q[0], simd::load(k)), b = simd::mul(q[1], simd::load(k + W));
+    for (int j = 2; j < C; j += 2) {
+      a = simd::fmadd(q[j], simd::load(k + W * j), a);
+      b = simd::fmadd(q[j + 1], simd::load(k + W * (j + 1)), b);
+    }
+    partial[i] = simd::add(a, b);
+  }
+  return simd::mul(simd::sum_each(partial), scale);
+}
+
 }  // namespace serval_kernels
 
 // window: a query sees the last `window` positions up to its own (0: all); sinks: see sink_logits.

@@ -6,9 +6,12 @@
 // for each of the G query heads that share the kv head (GQA); a head's K and V rows stay in L1/L2 for the
 // next head. Two passes per head (scores, then softmax-weighted V): exact softmax, not an online one.
 //
-// For head sizes of 64 and 128 the head's query, its tiles of partial q.k sums (one token per vector lane:
+// For head sizes of 32, 64 and 128 the head's query, its tiles of partial q.k sums (one token per vector lane:
 // 16 on AVX-512, 8 on AVX2 and the portable variant) and its output accumulators live in vector registers;
-// other sizes take the plain loop.
+// other sizes take the plain loop. Scores are formed by common.h's tile_scores over tiles at whole multiples
+// of the tile width from position 0, as prefill_attention.cpp forms them, and the softmax and the weighted
+// sum of V go in the same order: a query's output is bitwise the one a prefill chunk gives it (batch
+// invariance).
 #include "common.h"
 
 using namespace serval_kernels;
@@ -16,8 +19,9 @@ using namespace serval_kernels;
 namespace {
 
 struct Context {
-  const int64_t* rows;  // per context token: its K/V row's element offset in the cache
+  const int64_t* rows;  // per token from the visible keys' tile on: its K/V row's element offset in the cache
   int64_t len;
+  int64_t skip;  // leading tokens of rows the query does not see (before a window's first key, same tile)
   float scale;
   float sink;  // the head's sink logit; -inf: none
   bool prefetch;  // the first head of a kv head: its K/V rows are still in memory, not in cache
@@ -55,6 +59,12 @@ inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, in
   }
 }
 
+// The lanes of the tile at t0 that the query sees (from c.skip to c.len), `outside` elsewhere.
+inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec outside) {
+  const int64_t before = std::clamp<int64_t>(c.skip - t0, 0, simd::kWidth);
+  return simd::first_lanes(before, outside, simd::first_lanes(c.len - t0, a, outside));
+}
+
 template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
 void attend_head(const float* q, const T* k_cache, const T* v_cache, const Context& c, float* scores, float* out) {
   using simd::Vec;
@@ -63,7 +73,8 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
   for (int i = 0; i < C; ++i) qv[i] = simd::load(q + W * i);
   // Pass 1: scores[t] = q . k_t * scale, W tokens a tile, their horizontal sums done together.
   const Vec scale = simd::set1(c.scale);
-  Vec vmax = simd::set1(-INFINITY);
+  const Vec minus_infinity = simd::set1(-INFINITY);
+  Vec vmax = minus_infinity;
   constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
   if (c.prefetch) prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead));
   for (int64_t t0 = 0; t0 < c.len; t0 += W) {
@@ -72,35 +83,24 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
       prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
       prefetch_rows<T, D>(v_cache, c.rows, t0, t0 + tile);
     }
-    Vec partial[W];
-    for (int64_t i = 0; i < W; ++i) {
-      if (i >= tile) { partial[i] = simd::zero(); continue; }
-      const T* k = k_cache + c.rows[t0 + i];
-      Vec a = simd::mul(qv[0], simd::load(k)), b = simd::mul(qv[1], simd::load(k + W));
-      for (int j = 2; j < C; j += 2) {
-        a = simd::fmadd(qv[j], simd::load(k + W * j), a);
-        b = simd::fmadd(qv[j + 1], simd::load(k + W * (j + 1)), b);
-      }
-      partial[i] = simd::add(a, b);
-    }
+    const Vec s = tile_scores<C>(qv, tile, [&](int64_t i) { return k_cache + c.rows[t0 + i]; }, scale);
     // scores has room for whole tiles: the lanes past the context are written but never read.
-    const Vec s = simd::mul(simd::sum_each(partial), scale);
-    vmax = simd::max(vmax, simd::first_lanes(tile, s, simd::set1(-INFINITY)));
+    vmax = simd::max(vmax, visible(c, t0, s, minus_infinity));
     simd::store(scores + t0, s);
   }
-  // Softmax numerators (zero past the context); the division by their sum is folded into the output.
+  // Softmax numerators (zero outside the visible keys); the division by their sum is folded into the output.
   const float m_scalar = std::max(simd::reduce_max(vmax), c.sink);
   const Vec m = simd::set1(m_scalar);
   Vec vsum = simd::zero();
   for (int64_t t = 0; t < c.len; t += W) {
-    const Vec e = simd::first_lanes(c.len - t, simd::exp_nonpositive(simd::sub(simd::load(scores + t), m)), simd::zero());
+    const Vec e = visible(c, t, simd::exp_nonpositive(simd::sub(simd::load(scores + t), m)), simd::zero());
     simd::store(scores + t, e);
     vsum = simd::add(vsum, e);
   }
   // Pass 2: out = sum_t p_t v_t / sum_t p_t
   Vec acc[C];
   for (int i = 0; i < C; ++i) acc[i] = simd::zero();
-  for (int64_t t = 0; t < c.len; ++t) {
+  for (int64_t t = c.skip; t < c.len; ++t) {
     const Vec p = simd::set1(scores[t]);
     const T* v = v_cache + c.rows[t];
     for (int i = 0; i < C; ++i) acc[i] = simd::fmadd(p, simd::load(v + W * i), acc[i]);
@@ -139,7 +139,10 @@ void decode_attention_impl(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t context_len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t visible_from = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
+      // prefill_attention.cpp's): the same lanes, so the same sums.
+      const int64_t first = visible_from / simd::kWidth * simd::kWidth;
       const int64_t len = context_len - first;
       scores.resize(len + simd::kWidth);  // whole tiles
       // Each visible token's row offset, found once per task (a division per token costs more than its math).
@@ -152,11 +155,13 @@ void decode_attention_impl(
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head_in_seq = kv_head * group + g, head = seq * num_heads + head_in_seq;
         const float sink = sinks != nullptr ? sinks[head_in_seq] : -INFINITY;
-        const Context context{rows.data(), len, static_cast<float>(scale), sink, g == 0};
+        const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale), sink, g == 0};
         load_row(q_ptr + head * head_dim, qf.data(), head_dim);
-        if (head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        if (head_dim == 32) attend_head<T, 32>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else if (head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
         else if (head_dim == 128) attend_head<T, 128>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
-        else attend_head_plain<T>(qf.data(), k_ptr, v_ptr, context, head_dim, scores.data(), row.data(), acc.data());
+        else attend_head_plain<T>(qf.data(), k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
+                                  context.scale, sink, false}, head_dim, scores.data(), row.data(), acc.data());
         T* o = out_ptr + head * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d]);
       }

@@ -9,8 +9,8 @@
 // it:
 //   1. gate and up for an item's columns of the intermediate, silu(gate) * up written straight into them;
 //   2. down for an item's columns of the output.
-// Each item's matmul is quantized_linear's for fp32 x (matmul_packed_rows: int8 or int16 x, or the tiles, by
-// the expert's row count), run on the calling thread. A token's outputs are then summed in its choices'
+// Each item's matmul is quantized_linear's for fp32 x (matmul_packed_rows: int8 or int16 x, each row alike
+// whatever the expert's row count), run on the calling thread. A token's outputs are then summed in its choices'
 // order, so its result does not depend on which other tokens share the step.
 #include "quantized.h"
 

@@ -8,10 +8,15 @@
 // prefill chunk needs no gather and no mask tensor.
 //
 // Work is split into tasks of (sequence, kv head, block of 16 query rows), the heaviest (last rows) first. A
-// task converts the K and V rows it needs to fp32 once; K goes transposed into tiles of kWidth keys (16 on
-// AVX-512, 8 on AVX2), so a row's scores are lane-wise FMAs of the broadcast query, with no horizontal sums. Then for each of the G query heads
-// sharing the kv head: scores, an exact softmax (max, exp, sum), the softmax-weighted sum of V. Rows go 4 at
-// a time (fewer for wider heads) so that enough independent FMA chains are in flight.
+// task converts the K and V rows it needs to fp32 once. Then for each of the G query heads sharing the kv
+// head: scores, an exact softmax (max, exp, sum), the softmax-weighted sum of V. Scores are formed a tile of
+// kWidth keys (16 on AVX-512, 8 on AVX2) at a time by common.h's tile_scores, tiles at whole multiples of the
+// width from position 0, exactly as decode_attention.cpp forms them, and the softmax and the sum of V go in
+// the same order: a row's output does not depend on the chunk it is computed in, nor on whether it is decoded
+// (batch invariance; chunked prefill, a prefix-cache hit and a one-token chunk included). Rows go 4 at a time
+// (fewer for wider heads) through the softmax and V so that enough independent FMA chains are in flight.
+// (Until 2026-12-06 K went transposed into the tiles, a row's scores lane-wise FMAs of the broadcast query
+// with no horizontal sums: cheaper, but summed in another order than a decode's.)
 //
 // NOTE: PyTorch's SDPA on the CPU took ~0.6-1 ms per layer for one 137-token prompt of SmolLM2 (its math path
 // with GQA materialises the masks and repeats K/V); this is the prefill's largest cost after the matmuls.
@@ -51,7 +56,7 @@ struct Sequence {
 
 // Per-thread scratch, grown as needed and kept: a prefill's tasks are many and alike.
 struct Scratch {
-  std::vector<float> keys, values, queries, scores;
+  std::vector<float> keys, values, queries, scores, zeros;
 };
 
 // The K/V cache row of context token t of one kv head, as an element offset.
@@ -115,29 +120,29 @@ inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, si
   return simd::first_lanes(keys_before(first, tile), outside, simd::first_lanes(keys_visible(position, tile), a, outside));
 }
 
-template <typename T, int D>  // head_dim, a multiple of kWidth
+template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
 void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W;
   constexpr int R = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows at a time: R * C output accumulators in registers
-  // Keys [base, base + num_keys): what the task's rows see; below, key indices are relative to base.
-  const int64_t base = s.first_key(task.row_begin, l.window);
+  // Keys [base, base + num_keys): what the task's rows see, from the start of its first key's tile; below, key
+  // indices are relative to base, which is a whole number of tiles.
+  const int64_t base = s.first_key(task.row_begin, l.window) / kTile * kTile;
   const int64_t num_keys = s.position(task.row_end - 1) + 1 - base;
   const int64_t num_tiles = (num_keys + kTile - 1) / kTile, padded = num_tiles * kTile;
   const int64_t rows = task.row_end - task.row_begin;
-  scratch.keys.assign(padded * D, 0.0f);  // tile-major, transposed: keys[tile][d][kTile]
+  scratch.keys.resize(num_keys * D);  // row-major, as the cache holds them
   scratch.values.assign(padded * D, 0.0f);
-  scratch.queries.assign(l.group * kQueryBlock * D, 0.0f);  // pre-scaled; rows past `rows` stay zero
+  scratch.queries.resize(l.group * kQueryBlock * D);
   scratch.scores.resize(l.group * kQueryBlock * padded);
+  scratch.zeros.assign(padded, 0.0f);
   float* keys = scratch.keys.data();
   float* values = scratch.values.data();
   float row_buffer[D];
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_row(k_cache + row, row_buffer, D);
-    float* tile = keys + (t / kTile) * kTile * D + t % kTile;
-    for (int64_t d = 0; d < D; ++d) tile[d * kTile] = row_buffer[d];
+    load_row(k_cache + row, keys + t * D, D);
     load_row(v_cache + row, values + t * D, D);
   }
   const Vec scale = simd::set1(l.scale);
@@ -148,7 +153,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
     float* scores = scratch.scores.data() + g * kQueryBlock * padded;
     for (int64_t i = 0; i < rows; ++i) {
       const T* src = q + (s.query_start + task.row_begin + i) * l.q_token_stride + head * l.q_head_stride;
-      for (int c = 0; c < C; ++c) simd::store(queries + i * D + W * c, simd::mul(simd::load(src + W * c), scale));
+      load_row(src, queries + i * D, D);
     }
     const float sink = l.sink(head);
     for (int64_t i0 = 0; i0 < rows; i0 += R) {
@@ -162,29 +167,24 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
       const int64_t first_tile = first[0] / kTile, tiles = position[R - 1] / kTile + 1;
       // Scores, masked outside each row's keys, and each row's max.
       Vec vmax[R];
-      for (int i = 0; i < R; ++i) vmax[i] = minus_infinity;
-      for (int64_t tile = first_tile; tile < tiles; ++tile) {
-        const float* kt = keys + tile * kTile * D;
-        Vec a[R][2];
-        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = simd::zero();
-        for (int64_t d = 0; d < D; d += 2) {
-          const Vec k0 = simd::load(kt + d * kTile), k1 = simd::load(kt + (d + 1) * kTile);
-          for (int i = 0; i < R; ++i) {
-            const float* qi = queries + (i0 + i) * D;
-            a[i][0] = simd::fmadd(simd::set1(qi[d]), k0, a[i][0]);
-            a[i][1] = simd::fmadd(simd::set1(qi[d + 1]), k1, a[i][1]);
-          }
-        }
-        for (int i = 0; i < R; ++i) {
-          const Vec sc = simd::add(a[i][0], a[i][1]);
+      for (int i = 0; i < R && i0 + i < rows; ++i) {
+        vmax[i] = minus_infinity;
+        Vec qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = simd::load(queries + (i0 + i) * D + W * c);
+        for (int64_t tile = first_tile; tile < tiles; ++tile) {
+          const int64_t t0 = tile * kTile, in_tile = std::min<int64_t>(kTile, num_keys - t0);
+          const Vec sc = tile_scores<C>(qv, in_tile, [&](int64_t k) { return keys + (t0 + k) * D; }, scale);
           vmax[i] = simd::max(vmax[i], visible_lanes(first[i], position[i], tile, sc, minus_infinity));
-          simd::store(scores + (i0 + i) * padded + tile * kTile, sc);
+          simd::store(scores + (i0 + i) * padded + t0, sc);
         }
       }
+      // Rows past the task's last (R does not divide its rows) read a row of zeros below: no work, no value.
+      const float* probs[R];
+      for (int i = 0; i < R; ++i) probs[i] = i0 + i < rows ? scores + (i0 + i) * padded : scratch.zeros.data();
       // Softmax numerators, zero outside each row's keys; 1 / their sum (and the sink's) is applied to the
       // output.
       float inverse_sum[R];
-      for (int i = 0; i < R; ++i) {
+      for (int i = 0; i < R && i0 + i < rows; ++i) {
         float* row = scores + (i0 + i) * padded;
         const float m_scalar = std::max(simd::reduce_max(vmax[i]), sink);
         const Vec m = simd::set1(m_scalar);
@@ -205,7 +205,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
         Vec v[C];
         for (int c = 0; c < C; ++c) v[c] = simd::load(values + t * D + W * c);
         for (int i = 0; i < R; ++i) {
-          const Vec p = simd::set1(scores[(i0 + i) * padded + t]);
+          const Vec p = simd::set1(probs[i][t]);
           for (int c = 0; c < C; ++c) acc[i][c] = simd::fmadd(p, v[c], acc[i][c]);
         }
       }

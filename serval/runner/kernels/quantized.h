@@ -1,5 +1,5 @@
-// The packed low-bit weight layouts shared by quantized_linear.cpp (few rows of x: integer dot products) and
-// quantized_tiles.cpp (many rows: weights dequantized a tile at a time, fp32 FMAs). The byte layout of the
+// The packed low-bit weight layouts shared by quantized_linear.cpp (int16 x: integer dot products) and
+// quantized_int8.cpp (int8 x). The byte layout of the
 // codes is described below and in quantized_linear.cpp; serval/runner/quantization.py and gguf_repack.cpp
 // write them.
 //
@@ -279,20 +279,9 @@ QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
   return q;
 }
 
-// out[m, 16 G + n] = sum_k x[m, k] w[16 G + n, k] for every group G and row m, with w dequantized in fp32
-// (exactly the file's weights). out has out_stride floats a row.
-void matmul_dequantized_tiles(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                              float* out, int64_t out_stride);
-
-// The same with bf16 x and the weights rounded to bf16 in registers (VDPBF16PS), where this build has
-// AVX512-BF16: what a dense bf16 copy of the matrix would compute, without the copy.
-bool has_bf16_tiles();
-void matmul_bf16_tiles(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                       float* out, int64_t out_stride);
-
-// The same with x rounded to int8 per block of 32 (quantized_int8.cpp): twice the products an instruction,
-// where this build has it for the layout (AVX2's VPMADDUBSW, 4-bit codes). The default; --batch-activations
-// float32 turns it off.
+// out[m, 16 G + n] = sum_k x[m, k] w[16 G + n, k] with x rounded to int8 per block of 32 (quantized_int8.cpp):
+// twice the products an instruction, where this build has it for the layout (4-bit codes; VPDPBUSD, or AVX2's
+// VPMADDUBSW). The default at every row count; --batch-activations float32 turns it off.
 bool has_int8_rows(Layout layout);
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                       int64_t out_stride);

@@ -1,12 +1,11 @@
-// Packed 4-bit weights times rows of x (prefill and decode steps; with AVX-512-VNNI past 8 rows, int8_rows_from
-// below) with int8 activations:
+// Packed 4-bit weights times rows of x (prefill and decode steps, every row count) with int8 activations:
 // unsigned 4-bit codes times signed 8-bit x. On AVX-512-VNNI, VPDPBUSD sums 4 products a row, 64 an
 // instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2, VPMADDUBSW makes 32
-// products an instruction, twice what fp32 FMAs on dequantized weights do (quantized_tiles.cpp, which serves
-// the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
+// products an instruction, twice what VPMADDWD does on int16 x (quantized_linear.cpp, which serves the other
+// layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
 // largest value (int16's 1/32767 stays with `--batch-activations float32`), which the throughput pays for;
 // docs/benchmarks.md measures it.
-// The default (`--batch-activations int8`; `float32` keeps the exact tiles): with outliers exact (below) and the
+// The default (`--batch-activations int8`; `float32` keeps int16 x): with outliers exact (below) and the
 // offset term summing the rounded x (quantized.h), its divergence from fp32 on the default model is below
 // llama.cpp's on the same file (docs/benchmarks.md).
 //
@@ -452,15 +451,15 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
 
 }  // namespace serval_kernels::quantized
 
-// A decode step's few rows take int8 too: on AVX2 VPMADDUBSW (AVX-VNNI's VPDPBUSD) outpaces the int16 path's
-// products at every row count (1.2-1.6x at 1-8 rows, docs/benchmarks.md). With AVX-512-VNNI the few rows
-// keep int16 (exact to 2^-15): alone, int8 took the same time; at 4-8 rows int8 took 0.6-0.75x the matmul's
-// time on 2048- to 8192-wide matrices, but whole decode steps of a 1B model were no faster (4 sequences
-// slower: rounding x, finding its outliers and their exact products cost what the products saved).
+// A decode step's few rows take int8 too, so that a row's numbers are the same alone and in any batch (the
+// batch-invariance rule: a row's x is rounded the same way whatever M). On AVX2 VPMADDUBSW (AVX-VNNI's
+// VPDPBUSD) outpaces the int16 path's products at every row count (1.2-1.6x at 1-8 rows,
+// docs/benchmarks/2026-12-02.md). With AVX-512-VNNI int8 took the same time alone and 0.6-0.75x at 4-8 rows
+// on 2048- to 8192-wide matrices; whole decode steps of a 1B model were no faster then (rounding x and its
+// outliers cost what the products saved), which kept int16 for those rows until batch invariance asked for
+// one path.
 int64_t int8_rows_from() {
-#if defined(__AVX512VNNI__)
-  return kFewRows + 1;
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
   return 1;
 #else
   return 0;

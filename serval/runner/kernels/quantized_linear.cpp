@@ -1,10 +1,14 @@
 // y = x @ W.T, W in 4-, 5-, 6- or 8-bit codes with a scale (and offset) per block of 32 or 16 weights: the
 // exact weights of GGUF's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, k-quant (Q4_K/Q5_K/Q6_K) and MXFP4 files (quantized.h lists
 // the layouts; MXFP4's nibbles are looked up in an int8 table as they are widened), read at 0.53-1.06 bytes
-// a weight, as in the file, against bf16's 2. Up to 8 rows of x (decode) go through the integer dot products
-// here: VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the portable build; batch-1
-// decode reads every weight once per token, so bytes and these instructions are its cost. More rows go
-// through quantized_tiles.cpp.
+// a weight, as in the file, against bf16's 2. Every row count goes through the integer dot products here
+// (VPDPWSSD on AVX-512-VNNI, VPMADDWD plus adds on AVX2, plain loops in the portable build), or through
+// quantized_int8.cpp's where x is rounded to int8: batch-1 decode reads every weight once per token, so bytes
+// and these instructions are its cost; many rows run in passes over each group's codes while they are in L1.
+// A row's result is computed the same way whatever the row count (quantized per row and block, summed in
+// the same order), so a request's numbers never depend on what shares its step: the batch-invariance rule
+// (docs/architecture.md). Dequantized fp32/bf16 tiles for many rows measured up to ~20% faster on 8-bit and
+// 6-bit codes at 256 rows, but computed rows differently from a decode's few.
 //
 // Weights come packed by serval/runner/quantization.py in groups of 16 output rows, so one 512-bit register
 // holds 2 consecutive weights of each of the 16 rows as int16 and VPDPWSSD yields 16 row sums at once (on
@@ -20,9 +24,8 @@
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
-// every row count with them by default on AVX2, and past kFewRows rows with AVX-512-VNNI (int8_rows_from),
-// outliers kept exact; these products serve `--batch-activations float32`, and with AVX-512-VNNI a decode
-// step's few rows, which VPDPWSSD computes at memory speed.) The offset term uses the sum of the block's
+// every row count with them by default where it has the layout (4-bit codes), outliers kept exact; these
+// products serve the other layouts and `--batch-activations float32`.) The offset term uses the sum of the block's
 // rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
 
@@ -32,11 +35,6 @@ using namespace serval_kernels::quantized;
 namespace {
 
 constexpr int64_t kMaxRows = kFewRows;  // rows of x per pass: their accumulators stay in registers
-// Past kMaxRows the integer path goes on, in passes of kMaxRows over each group's codes (which stay in L1),
-// up to this many rows; more go to the tiles. Measured per call (bench/batch_matmul.py, Q4_0/Q4_1, AVX-512,
-// against the bf16 tiles): 2048 x 8192 at 9-16 rows 0.75-0.8x the time, 32 rows ~0.95x, 64 rows 1.05x;
-// 576-2048-wide matrices within the noise up to 32 rows and slower at 64.
-constexpr int64_t kIntegerRowsMax = 16;
 
 using Int16Rows = QuantizedRows<int16_t>;
 
@@ -309,10 +307,8 @@ void matmul_packed_rows(const float* x, int64_t M, const PackedMatrix& w, Layout
                         int64_t out_stride, bool int8_batch_activations) {
   if (int8_batch_activations && has_int8_rows(layout) && M >= int8_rows_from()) {
     matmul_int8_rows(x, M, w, layout, num_groups, out, out_stride);
-  } else if (M <= kIntegerRowsMax) {
-    run_integer_rows(quantize_rows<int16_t>(x, M, w.K), M, w, layout, num_groups, out, out_stride);
   } else {
-    matmul_dequantized_tiles(x, M, w, layout, num_groups, out, out_stride);
+    run_integer_rows(quantize_rows<int16_t>(x, M, w.K), M, w, layout, num_groups, out, out_stride);
   }
 }
 
@@ -342,9 +338,8 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
 
 }  // namespace
 
-// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Up to kIntegerRowsMax
-// rows go through the integer dot products above (bytes are their cost), more through quantized_tiles.cpp
-// (FMAs are).
+// x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Every row count goes
+// through the integer dot products above, each row computed alike whatever M.
 // int8_batch_activations: x is rounded to int8 per block (as llama.cpp does: faster, not exact) and goes through
 // quantized_int8.cpp where it has the layout, from int8_rows_from() rows on. offsets and super_scales may be empty
 // (undefined in the DecodeStack): the layout has none. codes in fp16 or
@@ -366,28 +361,20 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   // Padded to whole groups; the padding columns are dropped by the narrow below.
   auto out = at::empty({M, num_groups * kGroup}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  // int8 x where asked and this build has it for the layout, from int8_rows_from() rows; otherwise up to
-  // kIntegerRowsMax rows take int16 x, more the fp32 or bf16 tiles.
+  // int8 x where asked and this build has it for the layout, from int8_rows_from() rows; otherwise int16 x.
   const bool int8_rows = int8_batch_activations && has_int8_rows(layout) && M >= int8_rows_from();
-  const bool integer_rows = !int8_rows && M <= kIntegerRowsMax;
-  const bool bf16_products = !integer_rows && !int8_rows && x.scalar_type() == at::kBFloat16 && has_bf16_tiles();
-  // The integer path reads bf16 x as it is; the tile paths below take fp32 (a copy, over many rows).
-  const auto xf = M == 0 || bf16_products || integer_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
+  // The int16 path reads bf16 x as it is; the int8 one takes fp32.
+  const auto xf = M == 0 || !int8_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
-  } else if (integer_rows) {
+  } else if (int8_rows) {
+    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+  } else {
     TORCH_CHECK(xf.scalar_type() == at::kFloat || xf.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
     const Int16Rows xq = xf.scalar_type() == at::kFloat
                              ? quantize_rows<int16_t>(xf.data_ptr<float>(), M, K)
                              : quantize_rows<int16_t>(xf.data_ptr<at::BFloat16>(), M, K);
     run_integer_rows(xq, M, w, layout, num_groups, op, out.size(1));
-  } else if (bf16_products) {
-    const auto xb = x.contiguous();
-    matmul_bf16_tiles(xb.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
-  } else if (int8_rows) {
-    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
-  } else {
-    matmul_dequantized_tiles(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
   }
   return unpadded(out, N, x.scalar_type());
 }
