@@ -22,7 +22,10 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Decoder, skip_special_tokens: bool = True, kept_special_ids: frozenset[int] = frozenset()
+        self,
+        tokenizer: Decoder,
+        skip_special_tokens: bool = True,
+        kept_special_ids: frozenset[int] = frozenset(),
     ) -> None:
         """kept_special_ids: special tokens decoded as text even when the others are skipped (the markers a
         tool-call or reasoning parser reads: Kimi-K2's <|tool_call_begin|>, ...)."""

@@ -235,6 +235,7 @@ class XmlCallParser(_MarkupCallParser):
         self.name = ""
         self.num_arguments = 0  # key/value pairs written into the current call's JSON object
         self.is_string_value = False
+        self.value_kind = "json"  # the current value's: "string" (raw text), "choice" (a string enum), "json"
 
     def _on_call(self, events: list[ToolEvent], final: bool) -> bool:
         body = self.buffer[len(self.markers.call_open) :]
@@ -280,7 +281,8 @@ class XmlCallParser(_MarkupCallParser):
                 self.buffer = ""
             return False
         key = text[len(markers.key_open) : key_end].strip()
-        self.is_string_value = _is_string_parameter(self.tools.get(self.name), key)
+        self.value_kind = _value_kind(self.tools.get(self.name), key)
+        self.is_string_value = self.value_kind == "string"
         opening = "{" if self.num_arguments == 0 else ", "
         self._arguments(events, f"{opening}{json.dumps(key, ensure_ascii=False)}: ")
         if self.is_string_value:
@@ -299,10 +301,8 @@ class XmlCallParser(_MarkupCallParser):
             else:  # a string value keeps its whitespace: only what may become the close is held back
                 end = len(self.buffer) - (0 if final else _held_marker_only(self.buffer, close))
             self._arguments(events, json.dumps(self.buffer[:end], ensure_ascii=False)[1:-1])
-            self.buffer = self.buffer[end:]
             if at == -1:
-                if final:
-                    self.buffer = ""
+                self.buffer = "" if final else self.buffer[end:]
                 return False
             self._arguments(events, '"')
         else:
@@ -310,7 +310,11 @@ class XmlCallParser(_MarkupCallParser):
                 if final:
                     self.buffer = ""  # a value cut short: it cannot be written as JSON yet
                 return False
-            self._arguments(events, _json_value(self.buffer[:at]))
+            value = self.buffer[:at]
+            choice = json.dumps(
+                value.strip(), ensure_ascii=False
+            )  # a choice never begins or ends in whitespace
+            self._arguments(events, choice if self.value_kind == "choice" else _json_value(value))
         self.buffer = self.buffer[at + len(close) :]
         self.state = "parameters"
         return True
@@ -331,16 +335,17 @@ def _json_value(text: str) -> str:
         return json.dumps(text, ensure_ascii=False)
 
 
-def _is_string_parameter(parameters: dict[str, Any] | None, key: str) -> bool:
-    """True when the schema says the parameter is a string (its type, a string enum or const). A parameter
-    the schema does not type is JSON if its text parses, a string otherwise (_json_value)."""
+def _value_kind(parameters: dict[str, Any] | None, key: str) -> str:
+    """How a parameter's value is written: "string" when the schema types it a string (the raw text is the
+    value), "choice" for a string enum or const (the grammars let whitespace surround it), else "json" (JSON if
+    its text parses, a string otherwise: _json_value)."""
     properties = (parameters or {}).get("properties")
     schema = properties.get(key) if isinstance(properties, dict) else None
     if not isinstance(schema, dict):
-        return False
-    kind = schema.get("type")
-    if kind is not None:
-        kinds = kind if isinstance(kind, list) else [kind]
-        return "string" in kinds and all(k in ("string", "null") for k in kinds)
+        return "json"
     values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
-    return bool(values) and all(isinstance(v, str) for v in values)
+    if values and all(isinstance(v, str) for v in values):
+        return "choice"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    return "string" if "string" in kinds and all(k in ("string", "null") for k in kinds) else "json"
