@@ -39,8 +39,8 @@ KIMI_CALL = (
 # template think, the call's id when the family writes one)
 SCRIPTS = {
     "deepseek_r1": (
-        f"{THOUGHT}\n</think>\n\n{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
-        f"{ARGUMENTS}\n```{DS_CALL_END}{DS_CALLS_END}",
+        (f"{THOUGHT}\n</think>\n\n{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+        f"{ARGUMENTS}\n```{DS_CALL_END}{DS_CALLS_END}"),
         THOUGHT, {}, None,
     ),
     "deepseek_v31": (
@@ -50,13 +50,13 @@ SCRIPTS = {
     "kimi_k2": (KIMI_CALL, None, {}, "functions.get_weather:0"),
     "kimi_k2_thinking": (f"<think>{THOUGHT}</think>{KIMI_CALL}", THOUGHT, {}, "functions.get_weather:0"),
     "glm46": (
-        f"\n<think>{THOUGHT}</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
-        "</arg_value>\n</tool_call>",
+        (f"\n<think>{THOUGHT}</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n</tool_call>"),
         THOUGHT, {"enable_thinking": True}, None,
     ),
     "minimax_m2": (
-        f'{THOUGHT}\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
-        "Paris</parameter>\n</invoke>\n</minimax:tool_call>",
+        (f'{THOUGHT}\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+        "Paris</parameter>\n</invoke>\n</minimax:tool_call>"),
         THOUGHT, {}, None,
     ),
     "chatglm3": ('get_weather\n ```python\ntool_call(city="Paris")\n```', None, {}, None),
