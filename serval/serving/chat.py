@@ -69,10 +69,6 @@ def template_uses_tools(template_source: str | None) -> bool:
     return bool(template_source) and "tools" in template_source
 
 
-def template_thinks(template_source: str | None) -> bool:
-    return bool(template_source) and (THINK_START in template_source or THINK_END in template_source)
-
-
 def prepare_messages(
     messages: list[dict[str, Any]],
     options: ChatOptions,
