@@ -107,6 +107,9 @@ class ServerConfig:
     # The tool-call format (serving/tool_calls.py FORMATS); None: chosen from the chat template (vLLM's
     # --tool-call-parser auto).
     tool_call_parser: str | None = None
+    # The reasoning format (serving/reasoning_formats.py REASONING_FORMATS); None: chosen from the chat
+    # template (vLLM's --reasoning-parser, whose names these are).
+    reasoning_parser: str | None = None
     # Grammar compiles (response_format, tools): a new grammar is first compiled in a worker process that is
     # killed after this many seconds, and may add at most this much address space; past either the request
     # is a 400. Workers: how many new grammars compile at once (serving/grammar_pool.py).

@@ -124,6 +124,8 @@ def server_config(options: dict[str, Any], default_model_name: str) -> ServerCon
     fields["chat_template"] = template
     parser = options.get("tool_call_parser", "auto")
     fields["tool_call_parser"] = None if parser == "auto" else parser
+    reasoning = options.get("reasoning_parser", "auto")
+    fields["reasoning_parser"] = None if reasoning == "auto" else reasoning
     return ServerConfig(**fields)
 
 

@@ -255,6 +255,7 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
 def _add_request_options(p: argparse.ArgumentParser) -> None:
     """A request's time, body and answer shape."""
     # NOTE: imported here: it imports the engine and torch (~2 s), which `serval chat` never needs.
+    from serval.serving.reasoning_formats import REASONING_FORMATS
     from serval.serving.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
     p.add_argument("--request-timeout", type=float, help="seconds a request may take (default 600)")
@@ -270,4 +271,10 @@ def _add_request_options(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=["auto", *TOOL_CALL_FORMATS],
         help="the tool-call format (default auto: from the chat template, else hermes)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["auto", *REASONING_FORMATS],
+        help="the reasoning markup split into reasoning_content (default auto: from the chat template; none "
+        "when it has no <think>)",
     )

@@ -77,6 +77,7 @@ def build_frontend_app(server: ServerConfig, tokenizer, client, media_processor=
             server.media_fetch_timeout,
         ),
         media_processor=media_processor,
+        reasoning_parser=server.reasoning_parser,
     )
     return frontend, build_app(server, frontend)
 

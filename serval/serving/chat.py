@@ -69,10 +69,6 @@ def template_uses_tools(template_source: str | None) -> bool:
     return bool(template_source) and "tools" in template_source
 
 
-def template_thinks(template_source: str | None) -> bool:
-    return bool(template_source) and (THINK_START in template_source or THINK_END in template_source)
-
-
 def prepare_messages(
     messages: list[dict[str, Any]],
     options: ChatOptions,
@@ -148,13 +144,16 @@ def _plain_history(message: dict[str, Any], tool_format: ToolCallFormat) -> tupl
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
         return message, 0
-    texts = [message.get("content") or ""]
+    written = []
     for call in calls:
         function = call["function"]
         arguments = function["arguments"]
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        begin = tool_format.call_begin.replace("{name}", json.dumps(function["name"])[1:-1])
-        texts.append(begin + arguments + tool_format.call_end)
+        written.append((function["name"], arguments))
+    if tool_format.section_begin:  # one section holds every call
+        texts = [message.get("content") or "", tool_format.history_text(written)]
+    else:
+        texts = [message.get("content") or ""] + [tool_format.history_text([call]) for call in written]
     content = tool_format.separator.join(t for t in texts if t)
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}, 0
 

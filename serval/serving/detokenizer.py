@@ -15,13 +15,23 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
+    special_token_ids: frozenset[int]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        skip_special_tokens: bool = True,
+        kept_special_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """kept_special_ids: special tokens decoded as text even when the others are skipped (the markers a
+        tool-call or reasoning parser reads: Kimi-K2's <|tool_call_begin|>, ...)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.kept_special_ids = kept_special_ids if skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
         # token_ids[prefix_offset:read_offset] is already-emitted context for the decoder; tokens from
         # read_offset on are not emitted yet. Both move only at character boundaries.
@@ -60,4 +70,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        if self.kept_special_ids:
+            special = self.tokenizer.special_token_ids
+            kept = [i for i in token_ids if i in self.kept_special_ids or i not in special]
+            return self.tokenizer.decode(kept, skip_special_tokens=False)
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -18,21 +18,22 @@ from typing import TYPE_CHECKING, Any
 from serval.engine.client import EngineClient, EngineStats, RunnerInfo
 from serval.sampling import SamplingParams
 from serval.serving import embedding
-from serval.serving.chat import ChatOptions, ChatPrompt, grammar_spec, prepare_messages, template_thinks
+from serval.serving.chat import ChatOptions, ChatPrompt, grammar_spec, prepare_messages
 from serval.serving.chat_template import ChatTemplate, ChatTemplateError
 from serval.serving.client_text import CacheSpan, Segment
 from serval.serving.drain import Drain
 from serval.serving.errors import InvalidRequestError
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.grammar_pool import GrammarLimits
-from serval.serving.harmony import STRUCTURE_TOKENS, budget_end, prompt_message
+from serval.serving.harmony import STRUCTURE_TOKENS, prompt_message
 from serval.serving.lora import LoraAdapters
 from serval.serving.media.limits import MediaConfig
 from serval.serving.media.loader import MediaLoader
 from serval.serving.media.parts import MediaKind, MediaPart, check_accepted
 from serval.serving.media.processor import MediaItem, MediaProcessor, MediaSpan
-from serval.serving.output import OutputPlan
-from serval.serving.reasoning import THINK_END, prompt_opens_reasoning
+from serval.serving.output import OutputPlan, chat_plan
+from serval.serving.reasoning import THINK_END, THINK_START, prompt_opens_reasoning
+from serval.serving.reasoning_formats import reasoning_format_for_template
 from serval.serving.run import run_requests
 from serval.serving.segment_encoding import answer_start, encode_segments
 from serval.serving.stream import Completion, Event, fold
@@ -57,8 +58,10 @@ class Frontend:
         grammar_limits: GrammarLimits | None = None,
         media_config: MediaConfig | None = None,
         media_processor: MediaProcessor | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
-        """media_processor: the served model's (serving/media/processor.py); None for a text-only model."""
+        """media_processor: the served model's (serving/media/processor.py); None for a text-only model.
+        tool_call_format, reasoning_parser: a registry name, or None: chosen from the chat template."""
         self.engine = engine
         self.rules = PromptRules(engine.max_model_len, max_input_tokens, max_iter_times, max_seqs_per_request)
         self.tokenizer = tokenizer
@@ -70,9 +73,13 @@ class Frontend:
             else None
         )
         self.tool_format = format_for_template(source, tool_call_format, tokenizer.special_token_texts)
-        # xgrammar is imported, and its worker processes started, on the first structured request. A harmony
-        # answer keeps its structure tokens as text, so its grammars may write them.
-        text_tokens = frozenset(STRUCTURE_TOKENS) if self.tool_format.is_harmony else frozenset()
+        self.reasoning_format = reasoning_format_for_template(source, reasoning_parser)
+        # xgrammar is imported, and its worker processes started, on the first structured request. An answer
+        # keeps its markup's special tokens as text (harmony's, Kimi-K2's <|tool_call_begin|>...): grammars
+        # may write them.
+        self.think_markup = (THINK_START, THINK_END) if self.reasoning_format is not None else ()
+        markup = frozenset(self.tool_format.markup + self.think_markup)
+        text_tokens = frozenset(STRUCTURE_TOKENS) if self.tool_format.is_harmony else markup
         self.grammars = GrammarCompiler(tokenizer, grammar_limits, text_tokens)
         self.loras = LoraAdapters(engine)
         self.drain = Drain()  # graceful shutdown: begun by the HTTP server on SIGTERM
@@ -202,7 +209,7 @@ class Frontend:
             messages, media or [], prompt.add_generation_prompt, continue_final_message, tools,
             prompt.template_kwargs, spans,
         )  # fmt: skip
-        thinks = template_thinks(self.template_source)
+        thinks = self.reasoning_format is not None
         starts_in_reasoning = thinks and prompt_opens_reasoning(
             answer_start(segments, continue_final_message)
         )
@@ -210,20 +217,11 @@ class Frontend:
         spec = grammar_spec(options, self.tool_format, reasoning)
         param = "tools" if options.uses_tools else "response_format"
         grammar = await self.grammars.compile(spec, param) if spec is not None else None
-        budget = options.thinking_budget
         is_harmony = self.tool_format.is_harmony
-        budget_end_text = budget_end(grammar is not None) if is_harmony else f"\n{THINK_END}\n\n"
-        plan = OutputPlan(
-            parses_reasoning=thinks,
-            starts_in_reasoning=starts_in_reasoning,
-            tool_format=self.tool_format if options.uses_tools else None,
-            tool_names=frozenset(t.name for t in options.tools),
-            grammar=grammar,
-            thinking_budget=budget,
-            think_end_token_ids=tuple(self.tokenizer.encode(budget_end_text)) if budget else (),
-            harmony_prefix=prompt_message(segments) if is_harmony else None,
-            is_json_answer=grammar is not None and options.response_format.type != "text",
-        )
+        plan = chat_plan(
+            self.tokenizer, options, self.tool_format, self.reasoning_format, starts_in_reasoning, grammar,
+            prompt_message(segments) if is_harmony else None,
+        )  # fmt: skip
         return token_ids, plan, num_pinned_tokens, media_spans
 
     async def count_chat_tokens(self, prompt: ChatPrompt, options: ChatOptions) -> int:
@@ -284,6 +282,8 @@ class Frontend:
                 "this model has no chat template: use /v1/completions or start the server with --chat-template",
                 "messages",
             )
+        if self.reasoning_format is not None:  # the request's thinking switch, by this template's name
+            template_kwargs = self.reasoning_format.template_kwargs(template_kwargs)
         try:
             segments = self.chat_template.render(
                 messages, add_generation_prompt, continue_final_message, tools, template_kwargs, cache_spans

@@ -37,7 +37,7 @@ from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, Too
 
 if TYPE_CHECKING:
     from serval.serving.client_text import Segment
-    from serval.serving.tool_calls import Tool, ToolChoice
+    from serval.serving.tool_call_format import Tool, ToolChoice
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"

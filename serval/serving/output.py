@@ -13,13 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from serval.serving import harmony
 from serval.serving.harmony import HarmonyParser, HarmonyReasoningCounter
-from serval.serving.reasoning import AnswerText, ReasoningText, ReasoningTokenCounter, ThinkingBudget
+from serval.serving.reasoning import (
+    THINK_END,
+    THINK_START,
+    AnswerText,
+    ReasoningText,
+    ReasoningTokenCounter,
+    ThinkingBudget,
+)
+from serval.serving.tool_call_format import Tool, ToolCallFormat
 from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, ToolEvent
-from serval.serving.tool_calls import ToolCallFormat
 
 if TYPE_CHECKING:
     from serval.engine.constraint import TokenConstraint
+    from serval.serving.chat import ChatOptions
+    from serval.serving.reasoning_formats import ReasoningFormat
     from serval.serving.structured import Grammar
 
 
@@ -31,6 +41,13 @@ class OutputPlan:
         None  # parse tool calls in this format (tools offered, choice not none)
     )
     tool_names: frozenset[str] = frozenset()
+    tools: tuple[Tool, ...] = ()  # the offered tools: XML-style parsers type argument values by their schema
+    # Special tokens the answer is decoded with (kept as text whatever skip_special_tokens says): the tool-call
+    # format's and the reasoning's markers, where the tokenizer has them as special tokens.
+    kept_special_token_ids: frozenset[int] = frozenset()
+    reasoning_in_content: bool = (
+        False  # the reasoning stays in content, in its <think> block (minimax_m2_append_think)
+    )
     grammar: Grammar | None = None  # the compiled grammar every choice's tokens must follow
     thinking_budget: int | None = None  # reasoning tokens allowed before the end tag is forced
     think_end_token_ids: tuple[int, ...] = ()  # the tokens forced when the budget runs out
@@ -69,6 +86,47 @@ class OutputPlan:
         )
 
 
+def chat_plan(
+    tokenizer,
+    options: ChatOptions,
+    tool_format: ToolCallFormat,
+    reasoning_format: ReasoningFormat | None,
+    starts_in_reasoning: bool,
+    grammar: Grammar | None,
+    harmony_prefix: str | None,
+) -> OutputPlan:
+    """A chat answer's plan: its parsers (reasoning_format None: no reasoning split; tools only when offered
+    and not refused), its grammar, and the tokens forced when its thinking budget runs out."""
+    budget = options.thinking_budget
+    if harmony_prefix is not None:
+        budget_end_text = harmony.budget_end(grammar is not None)
+    else:
+        budget_end_text = f"\n{THINK_END}\n\n"
+    thinks = reasoning_format is not None
+    markup = ((THINK_START, THINK_END) if thinks else ()) + (tool_format.markup if options.uses_tools else ())
+    return OutputPlan(
+        parses_reasoning=thinks,
+        starts_in_reasoning=starts_in_reasoning,
+        tool_format=tool_format if options.uses_tools else None,
+        tool_names=frozenset(t.name for t in options.tools),
+        tools=options.tools,
+        kept_special_token_ids=special_markup_ids(tokenizer, markup),
+        reasoning_in_content=thinks and reasoning_format.in_content,
+        grammar=grammar,
+        thinking_budget=budget,
+        think_end_token_ids=tuple(tokenizer.encode(budget_end_text)) if budget else (),
+        harmony_prefix=harmony_prefix,
+        is_json_answer=grammar is not None and options.response_format.type != "text",
+    )
+
+
+def special_markup_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
+    """The ids of those markup texts (a format's markers) that the tokenizer has as single special tokens:
+    the answer is decoded with them, or its parsers would never see them."""
+    ids = (tokenizer.encode(text) for text in texts)
+    return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in tokenizer.special_token_ids)
+
+
 @dataclass
 class ToolCallDelta:
     index: int  # the call's position in the message
@@ -104,7 +162,13 @@ class OutputParser:
         is_split = self.harmony is None
         parses_think = plan.parses_reasoning and is_split
         self.counter = ReasoningTokenCounter(plan.starts_in_reasoning) if parses_think else None
-        self.tools = plan.tool_format.parser(plan.tool_names) if parses_tools and is_split else None
+        self.tools = (
+            plan.tool_format.parser(plan.tool_names, plan.tools) if parses_tools and is_split else None
+        )
+        self.reasoning_in_content = plan.reasoning_in_content
+        self.think_block = (
+            "none"  # reasoning_in_content: the <think> block written into content: open, closed
+        )
         self.num_tool_calls = 0
         # harmony: the tokens fed while inside an analysis message's text (its <|message|> to its <|end|>)
         self.num_harmony_reasoning_tokens = 0
@@ -128,10 +192,27 @@ class OutputParser:
             return result
         for event in self.counter.feed(text, num_tokens):
             if isinstance(event, ReasoningText):
-                result.reasoning += event.text
+                self._reasoning(event.text, result)
             elif isinstance(event, AnswerText):
+                self._close_think_block(result)
                 self._answer(event.text, result, final=False)
         return result
+
+    def _reasoning(self, text: str, result: ParsedText) -> None:
+        if not self.reasoning_in_content:
+            result.reasoning += text
+            return
+        # Written back as the template writes an earlier turn's reasoning, so a client that sends the content
+        # back gives the model its reasoning again (MiniMax-M2 wants it kept between tool calls).
+        if self.think_block == "none":
+            result.content += f"{THINK_START}\n"
+            self.think_block = "open"
+        result.content += text
+
+    def _close_think_block(self, result: ParsedText) -> None:
+        if self.think_block == "open":
+            result.content += f"\n{THINK_END}\n\n"
+            self.think_block = "closed"
 
     def finish(self, is_cut: bool = False) -> ParsedText:
         """The rest of the text. is_cut: it ended before the model did (max_tokens), so an unfinished
@@ -142,9 +223,12 @@ class OutputParser:
             return result
         for event in self.counter.finish() if self.counter is not None else []:
             if isinstance(event, ReasoningText):
-                result.reasoning += event.text
+                self._reasoning(event.text, result)
             else:
+                self._close_think_block(result)
                 self._answer(event.text, result, final=False)
+        if not is_cut or self.counter is None or not self.counter.is_reasoning:
+            self._close_think_block(result)
         self._answer("", result, final=True, is_cut=is_cut)
         return result
 
@@ -165,7 +249,8 @@ class OutputParser:
                 result.content += event.text
             elif isinstance(event, ToolCallStart):
                 self.num_tool_calls += 1
-                result.tool_calls.append(ToolCallDelta(event.index, new_tool_call_id(), event.name))
+                call_id = event.call_id or new_tool_call_id()
+                result.tool_calls.append(ToolCallDelta(event.index, call_id, event.name))
             elif isinstance(event, ToolCallArguments):
                 last = result.tool_calls[-1] if result.tool_calls else None
                 if last is not None and last.index == event.index:

@@ -127,7 +127,10 @@ class ChoiceStream:
         # NOTE: a harmony answer is decoded with its special tokens whatever skip_special_tokens says: its
         # channel markers are what the parser splits it by, and none of them reaches the client.
         keeps_special = plan is not None and plan.keeps_special_tokens
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens and not keeps_special)
+        kept_ids = plan.kept_special_token_ids if plan is not None else frozenset()
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, params.skip_special_tokens and not keeps_special, kept_ids
+        )
         self.stop_matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.num_output_tokens = 0
         self.num_cached_tokens = 0

@@ -25,6 +25,7 @@ class ContentText:
 class ToolCallStart:
     index: int  # position of the call in the message, from 0
     name: str
+    call_id: str | None = None  # the id the model wrote for the call (Kimi-K2's functions.NAME:IDX), if any
 
 
 @dataclass
@@ -48,7 +49,7 @@ def merge_events(events: list) -> list:
             else:
                 merged.append(ToolCallArguments(event.index, event.text))
         elif isinstance(event, ToolCallStart):
-            merged.append(ToolCallStart(event.index, event.name))
+            merged.append(ToolCallStart(event.index, event.name, event.call_id))
         elif type(last) is type(event):
             last.text += event.text
         elif event.text:

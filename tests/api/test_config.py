@@ -157,6 +157,16 @@ def test_unknown_tool_call_parser_is_refused():
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
 
 
+@pytest.mark.parametrize(("argv", "expected"), [([], None), (["--reasoning-parser", "auto"], None),
+                                                (["--reasoning-parser", "glm45"], "glm45"),
+                                                (["--tool-call-parser", "kimi_k2"], None)])  # fmt: skip
+def test_reasoning_parser_flag_reaches_the_server_config(argv, expected):
+    options = merged_options(build_parser().parse_args(["serve", *argv]))
+    assert server_config(options, "m").reasoning_parser == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
+
+
 def test_grammar_compile_flags_reach_the_server_config():
     defaults = server_config(merged_options(build_parser().parse_args(["serve"])), "m")
     assert (defaults.grammar_compile_timeout, defaults.grammar_compile_memory_bytes) == (10.0, GIB)

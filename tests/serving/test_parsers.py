@@ -165,17 +165,13 @@ def test_grammar_made_calls_parse_back_for_every_format():
     # What the structural tag admits (begin + arguments + end) is what the parser reads.
     for tool_format in FORMATS.values():
         calls = [("f", {"a": [1, "}"]}), ("g", {})]
-        texts = [
-            tool_format.call_begin.replace("{name}", n) + json.dumps(a) + tool_format.call_end
-            for n, a in calls
-        ]
         if tool_format.is_single_call:
-            texts = texts[:1]
-        text = tool_format.separator.join(texts)
+            calls = calls[:1]
+        text = tool_format.history_text([(n, json.dumps(a)) for n, a in calls])
         events = _parse(lambda f=tool_format: f.parser(NAMES), [text])
         starts = [e.name for e in events if isinstance(e, ToolCallStart)]
-        assert starts == [n for n, _ in calls][: len(texts)], (tool_format.name, events)
-        for index, (_, arguments) in enumerate(calls[: len(texts)]):
+        assert starts == [n for n, _ in calls], (tool_format.name, events)
+        for index, (_, arguments) in enumerate(calls):
             text_of = "".join(e.text for e in events if isinstance(e, ToolCallArguments) and e.index == index)
             assert json.loads(text_of) == arguments
         assert not any(isinstance(e, ContentText) and e.text.strip() for e in events), events
