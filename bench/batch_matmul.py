@@ -57,7 +57,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--variant", default=None, help="kernel variant (default: the best this CPU runs)")
     parser.add_argument("--cold", action="store_true", help="weights from memory, not cache, every call")
-    parser.add_argument("--int8-activations", action="store_true", help="x rounded to int8 per block (the default)")
+    parser.add_argument(
+        "--int8-activations", action="store_true", help="x rounded to int8 per block (the default)"
+    )
     args = parser.parse_args()
     flush = torch.ones(64 * 1024 * 1024) if args.cold else None
     before = (lambda: flush.add_(1)) if args.cold else None

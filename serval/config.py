@@ -29,12 +29,15 @@ class ModelConfig:
     # How matmuls over packed 4-bit weights take x, at every row count (one path, so that a row's numbers do
     # not depend on its batch): "int8", x rounded per block of 32 as llama.cpp does, outliers kept exact (twice the products an
     # instruction of the exact paths; teacher-forced divergence from fp32 on the default model below
-    # llama.cpp's own, docs/benchmarks/2026-12-04.md); "float32", exact products of the file's weights.
-    batch_activations: str = "int8"
+    # llama.cpp's own, docs/benchmarks/2026-12-04.md); "float32", int16 x, closer to the file's exact
+    # products; "auto", the faster of the two for the kernel variant (kernels.default_batch_activations).
+    batch_activations: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.batch_activations not in ("float32", "int8"):
-            raise ValueError(f"batch_activations must be float32 or int8, got {self.batch_activations!r}")
+        if self.batch_activations not in ("auto", "float32", "int8"):
+            raise ValueError(
+                f"batch_activations must be auto, float32 or int8, got {self.batch_activations!r}"
+            )
         if self.single_sequence_threads < 0:
             raise ValueError(f"single_sequence_threads must be >= 0, got {self.single_sequence_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -213,11 +213,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--batch-activations",
-        choices=["float32", "int8"],
-        help="matmuls over packed 4-bit weights (every row count): "
-        "int8 (default: x rounded per block of 32 as llama.cpp does, outliers "
-        "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model) or "
-        "float32 (exact products of the file's weights; docs/benchmarks/2026-12-04.md)",
+        choices=["auto", "float32", "int8"],
+        help="matmuls over packed 4-bit weights, one way at every row count: "
+        "int8 (x rounded per block of 32 as llama.cpp does, outliers "
+        "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model), "
+        "float32 (int16 x: near-exact products of the file's weights) or auto (default: int8 on AVX2, "
+        "float32 with AVX-512, where it is faster up to 16 rows; docs/configuration.md)",
     )
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, help="seed of unseeded sampling")

@@ -75,7 +75,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
-        batch_activations: str = "int8",
+        batch_activations: str = "auto",
         tensor_parallel_size: int = 1,
     ):
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);

@@ -16,7 +16,7 @@ from serval.runner.attention.backend import StepAttention, StepLayout
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.info import RunnerInfo
-from serval.runner.kernels import load_cpu_kernels
+from serval.runner.kernels import default_batch_activations, load_cpu_kernels
 from serval.runner.layers import use_native_kernels
 from serval.runner.loader.gguf_pack import NativeRepack
 from serval.runner.loader.load import load_model, open_checkpoint
@@ -92,8 +92,10 @@ class ModelRunner:
         )
         self.kv_caches = self._allocate_kv_cache()
         self.attention_backend = select_attention_backend(self.device, kernels)
+        asked = model_config.batch_activations
+        wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:
-            int8 = model_config.batch_activations == "int8"
+            int8 = wants_int8
             use_native_kernels(self.model, kernels, int8)
             self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
         if tensor_parallel is not None:
@@ -101,9 +103,7 @@ class ModelRunner:
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         # In effect, not asked for: dense weights and the portable build (no int8 path) keep batches exact.
         int8_batches = (
-            model_config.batch_activations == "int8"
-            and self.has_packed_weights
-            and self.kernel_variant not in ("none", "portable")
+            wants_int8 and self.has_packed_weights and self.kernel_variant not in ("none", "portable")
         )
         self.batch_activations = "int8" if int8_batches else "float32"
         self.lora_slots = None

@@ -196,3 +196,41 @@ def test_both_backends_write_the_same_slots_and_agree_on_a_mixed_step(kernels):
     (out_ref, k_ref, v_ref), (out_native, k_native, v_native) = outputs
     assert torch.equal(k_ref, k_native) and torch.equal(v_ref, v_native)
     assert (out_ref - out_native).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("attention", list(GPT_OSS))
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48 takes both kernels' plain paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_is_answered_alike_decoded_or_in_any_prefill_chunk(kernels, head_dim, dtype, attention):
+    """Batch invariance: a query's output is bitwise the same whether it is decoded, computed in one prefill
+    chunk with the whole prompt, in chunks split elsewhere, or in one-token chunks (a prefix-cache hit's last
+    token, a chunk's remainder)."""
+    torch.manual_seed(head_dim)
+    num_heads, num_kv_heads, block_size, length = 6, 2, 16, 70
+    k_cache = torch.randn(16, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(16)[:5].unsqueeze(0)
+    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    window, with_sinks = GPT_OSS[attention]
+    window *= 7  # 28 and 21 keys: windows starting mid-tile
+    sinks = torch.randn(num_heads) if with_sinks else torch.empty(0)
+    scale = head_dim**-0.5
+
+    def chunk(start: int, size: int) -> torch.Tensor:
+        out = torch.zeros(size, num_heads, head_dim, dtype=dtype)
+        starts, sizes, ends = torch.tensor([0]), torch.tensor([size]), torch.tensor([start + size])
+        rows = q[start : start + size].contiguous()
+        kernels.paged_prefill_attention(
+            rows, k_cache, v_cache, table, starts, sizes, ends, scale, out, window, sinks
+        )
+        return out
+
+    whole = chunk(0, length)
+    assert torch.equal(torch.cat([chunk(0, 23), chunk(23, 30), chunk(53, 17)]), whole)
+    assert torch.equal(torch.cat([chunk(i, 1) for i in range(length)]), whole)
+    decoded = torch.cat([
+        kernels.paged_decode_attention(q[i : i + 1].contiguous(), k_cache, v_cache, table, torch.tensor([i + 1]),
+                                       scale, window, sinks)
+        for i in range(length)
+    ])  # fmt: skip
+    assert torch.equal(decoded, whole)

@@ -155,8 +155,8 @@ def test_fused_shards_are_packed_straight_into_one_matrix(model_file, kernels, m
 
 
 def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, kernels, monkeypatch):
-    """--batch-activations int8, the default: prefill and one-row decode steps round x to int8 per block over
-    4-bit codes; the logits stay close to the exact path's."""
+    """--batch-activations int8 (auto's choice on AVX2): prefill and one-row decode steps round x to int8 per
+    block over 4-bit codes; the logits stay close to the exact path's."""
     from transformers import LlamaConfig
 
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
@@ -165,8 +165,11 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
     hf_config = LlamaConfig(**SHAPE).to_dict() | {"architectures": ["LlamaForCausalLM"]}
     write_gguf_from_state_dict(path, hf_config, state_dict, qtype_for_matrices=Q.Q4_0)
     exact = _engine(path, "auto")
-    rounded = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=64)))
-    assert rounded.config.model.batch_activations == "int8"  # the default
+    rounded = Engine(
+        EngineConfig(
+            model=ModelConfig(model=path, batch_activations="int8"), cache=CacheConfig(num_blocks=64)
+        )
+    )
     in_effect = "float32" if kernels.variant == "portable" else "int8"  # the portable build has no int8 path
     assert rounded.runner.info.batch_activations == in_effect
     assert ("(packed, int8 batch activations)" in rounded.runner.info.describe()) == (in_effect == "int8")
@@ -183,3 +186,24 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
         assert (decoded - _decode_logits(exact, prompt)).abs().max().item() < 5e-2 * scale
     with pytest.raises(ValueError, match="batch_activations"):
         ModelConfig(batch_activations="int4")
+
+
+def test_auto_batch_activations_take_the_faster_path_of_each_variant(
+    state_dict, tmp_path, kernels, monkeypatch
+):
+    """The default, auto: int8 x where AVX2's int8 products are the faster path (avx2, avx2_vnni), int16 x with
+    AVX-512 and in the portable build (kernels.default_batch_activations); either way one path for every row
+    count."""
+    from transformers import LlamaConfig
+
+    monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
+    path = str(tmp_path / "Q4_0.gguf")
+    hf_config = LlamaConfig(**SHAPE).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    write_gguf_from_state_dict(path, hf_config, state_dict, qtype_for_matrices=Q.Q4_0)
+    engine = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=64)))
+    assert engine.config.model.batch_activations == "auto"
+    expected = "int8" if kernels.variant in ("avx2", "avx2_vnni") else "float32"
+    assert engine.runner.info.batch_activations == expected
+    prompt = PROMPTS[0]
+    chosen = _engine(path, "auto", expected)
+    assert torch.equal(_serval_logits(engine, prompt), _serval_logits(chosen, prompt))

@@ -81,6 +81,7 @@ class FakeEngine:
         self.runner_info = RunnerInfo(
             num_blocks=10, block_size=32, max_model_len=4096, vocab_size=258, dtype="bfloat16", device="cpu",
             architecture="FakeForCausalLM", weight_format="Q4_1+Q8_0", kernel_variant="avx2", num_threads=3,
+            attention_backend="native-cpu",
             packed_weights=True, batch_activations="int8",
         )  # fmt: skip
 

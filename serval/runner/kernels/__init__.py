@@ -50,7 +50,11 @@ SOURCES = tuple(
 _HEADERS = tuple(
     os.path.join(_DIRECTORY, name) for name in ("common.h", "simd.h", "quantized.h", "decode_stack.h")
 )
-BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
+# -fno-associative-math: fast math without reordering sums, so a loop adds in the order it is written in every
+# place it is inlined (the explicit SIMD code fixes its own order; the plain loops' order would otherwise be
+# the vectorizer's choice per call site, and a row's bits would depend on which kernel computed it: batch
+# invariance, docs/architecture.md).
+BASE_CFLAGS = ("-O3", "-ffast-math", "-fno-associative-math", "-fopenmp")
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,21 @@ def packed_rows_limit(kernels) -> int:
     (integer dot products in passes over each group's codes), so that a row's numbers never depend on its batch.
     """
     return 0 if kernels is None else UNBOUNDED_ROWS
+
+
+def default_batch_activations(kernels) -> str:
+    """What `--batch-activations auto` means for these kernels: "int8" where AVX2's int8 products are the
+    faster path at every row count (`avx2`, `avx2_vnni`: VPMADDUBSW/VPDPBUSD on the nibbles as they are, where
+    the int16 products bound even a batch-1 decode), "float32" (int16 x) with AVX-512, the portable build or
+    none. One path serves every row count (batch invariance), and with AVX-512-VNNI int16 x measured faster
+    up to 16 rows (2026-12-06, AMD family 26, decode steps: Llama-3.2-1B shape Q4_0 at 1 row 12.6-15.6 ms
+    against int8's 17.5, at 16 rows 55-61 against 72-77; the default model 4.1-4.2 against 5.7-6.2 and
+    15.3-16.1 against 19-22) and slower past that (1B at 64 rows ~1.15x int8's time, a 512-token prefill
+    ~1.2x): interactive latency first; `--batch-activations int8` takes the other side
+    (docs/benchmarks/2026-12-06.md)."""
+    if kernels is not None and kernels.variant in ("avx2", "avx2_vnni"):
+        return "int8"
+    return "float32"
 
 
 def quantized_matmul(kernels, int8_batch_activations: bool):

@@ -164,8 +164,12 @@ alignas(64) constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20
 // out[r][G's 16 columns] = group G's products with rows r0 .. r0 + R of x, over all of K. Chunk c's low
 // nibbles are weights 8c to 8c + 3 of each of the 16 rows, its high nibbles 8c + 4 to 8c + 7 (quantized.h):
 // one VPDPBUSD each per row of x. Each block's sums are scaled into fp32 outputs kept in registers.
+// A row's block sum is integer, so splitting it over independent chains changes no bit: one or two rows (a
+// decode) take a chain per chunk, so the VPDPBUSDs do not wait on each other's latency, and the codes are
+// prefetched ahead as the int16 path's are (a decode streams them from memory).
 template <Layout L, int R>
 void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0, float* out, int64_t out_stride) {
+  constexpr int kChains = R <= 2 ? 4 : 1;
   const int64_t K = w.K, num_blocks = K / kBlock;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i order = _mm512_load_si512(kRowQuads);
@@ -173,9 +177,11 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
     const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
-    __m512i dots[R];
-    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    __m512i chains[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < kChains; ++k) chains[r][k] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
+      if constexpr (R <= 2) simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
       __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       if constexpr (Traits<L>::kCodeTable) {  // unsigned v + 12 (kInt8Table)
@@ -187,9 +193,15 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
       high = _mm512_permutexvar_epi16(order, high);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
-        dots[r] = _mm512_dpbusd_epi32(dots[r], low, broadcast_quad(x));
-        dots[r] = _mm512_dpbusd_epi32(dots[r], high, broadcast_quad(x + 4));
+        __m512i& chain = chains[r][c % kChains];
+        chain = _mm512_dpbusd_epi32(chain, low, broadcast_quad(x));
+        chain = _mm512_dpbusd_epi32(chain, high, broadcast_quad(x + 4));
       }
+    }
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) {
+      dots[r] = chains[r][0];
+      for (int k = 1; k < kChains; ++k) dots[r] = _mm512_add_epi32(dots[r], chains[r][k]);
     }
     alignas(64) float d[kGroup], m[kGroup];
     int8_block_scales<L>(w, G, s, d, m);
@@ -218,12 +230,15 @@ void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_g
   const Int8Split split = split_for_int8(x, M, w.K);
   const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
-  parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
+  // A decode's few rows make quick, even groups: runs of them in large guided shares, so that each thread
+  // streams consecutive codes. Many rows' groups are long: one at a time.
+  const bool few = M <= kFewRows;
+  parallel_chunks(num_groups, few ? num_groups / 16 : 1, [&](int64_t begin, int64_t end) {
     for (int64_t G = begin; G < end; ++G) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
       add_outlier_products<L>(w, G, split.outliers, out, out_stride);
     }
-  }, Schedule::kDynamic);
+  }, few ? Schedule::kGuided : Schedule::kDynamic);
 }
 #elif defined(__AVX2__)
 constexpr int kPassRows = 4;  // rows of x per pass: 2 int16 sums each plus a chunk's 4 operands fit 16 registers
