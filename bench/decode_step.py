@@ -91,9 +91,9 @@ def main() -> None:
     parser.add_argument("--variants", default="layers,stack,stack+packed")
     parser.add_argument(
         "--batch-activations",
-        default="int8",
-        choices=["int8", "float32"],
-        help="as serve's flag: int8 x at every row count over 4-bit codes",
+        default="auto",
+        choices=["auto", "int8", "float32"],
+        help="as serve's flag (auto: int8 on AVX2 builds, int16 x with AVX-512)",
     )
     parser.add_argument(
         "--as-cpu-without-bf16",

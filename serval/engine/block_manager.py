@@ -116,6 +116,15 @@ class BlockManager:
             return index
         return None
 
+    def fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's next tokens go into blocks it already holds, none shared (allocate would do
+        nothing): 15 of 16 decode steps."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if num_tokens > len(request.block_ids) * self.block_size:
+            return False
+        last = request.block_ids[(num_tokens - 1) // self.block_size]
+        return num_new_tokens == 1 and self.ref_counts[last] == 1
+
     def can_allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         # Cached blocks that nobody references sit in the free list: taking them shrinks it too.
         num_cached_free = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
@@ -124,7 +133,9 @@ class BlockManager:
 
     def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> None:
         """Give the request blocks for `num_new_tokens` more tokens, first taking the cached prefix blocks."""
-        assert self.can_allocate(request, num_new_tokens, cached_block_ids)
+        # NOTE: the caller has checked can_allocate (the scheduler, every step for every request): checking
+        # again here was a tenth of a 64-sequence decode step's host time. Running out anyway is loud: the
+        # free list's popitem raises.
         if cached_block_ids:
             assert request.num_computed_tokens == 0 and not request.block_ids
             for block_id in cached_block_ids:

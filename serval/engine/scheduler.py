@@ -63,9 +63,11 @@ class Scheduler:
             if num_new == 0:
                 index += 1  # a beam that reported and waits for its group's choice (engine/beam_search.py)
                 continue
-            if not self._make_room(request, num_new, out, scheduled):
-                continue  # the request itself was preempted; the list shrank under it
-            self.block_manager.allocate(request, num_new)
+            # Most decode steps write into a block the request already holds alone: nothing to allocate.
+            if not self.block_manager.fits_in_place(request, num_new):
+                if not self._make_room(request, num_new, out, scheduled):
+                    continue  # the request itself was preempted; the list shrank under it
+                self.block_manager.allocate(request, num_new)
             self._add_to_output(out, request, num_new)
             scheduled.add(request.request_id)
             budget -= num_new
