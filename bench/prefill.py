@@ -23,7 +23,9 @@ def main() -> None:
     parser.add_argument(
         "--model", default=None, help="a GGUF file or model directory (default: the embedded model)"
     )
-    parser.add_argument("--batch-activations", default="auto", help="auto, float32 or int8 (configuration.md)")
+    parser.add_argument(
+        "--batch-activations", default="auto", help="auto, float32 or int8 (configuration.md)"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=6)
     args = parser.parse_args()
