@@ -130,8 +130,8 @@ def _servers(tmp_path_factory):
     }  # fmt: skip
     config_path = directory / "config.json"
     config_path.write_text(json.dumps(config))
-    # fp32: the tests compare greedy outputs of a request alone and inside a batch, and bf16 matrix kernels
-    # are not bitwise batch-invariant (docs/architecture.md); the bf16 path has its own tests.
+    # fp32 (dense weights): these tests were written against it and compare greedy outputs alone and inside
+    # a batch; the default flags' bitwise batch invariance (packed weights) is test_batch_invariance.py's.
     main_args = ["--log-level", "warning", "--dtype", "float32"]
     deploy_args = ["--config", str(config_path), "--log-level", "warning"]
     for key in API_KEYS:
