@@ -29,7 +29,7 @@ class BatchRows:
 
     def step_tables(self, requests: list[Request]) -> torch.Tensor:
         """(len(requests), max_blocks) int64: each request's blocks in order, then ids nothing reads."""
-        rows = []
+        rows, max_blocks = [], 0
         for request in requests:
             if request.batch_row is None:
                 request.batch_row = self._take_row()
@@ -37,7 +37,7 @@ class BatchRows:
             if request.block_ids_changed_from is not None:
                 self._write(request)
             rows.append(request.batch_row)
-        max_blocks = max(len(request.block_ids) for request in requests)
+            max_blocks = max(max_blocks, len(request.block_ids))
         return self.tables[torch.tensor(rows), :max_blocks]
 
     def release(self, request: Request) -> None:

@@ -119,11 +119,12 @@ class BlockManager:
     def fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's next tokens go into blocks it already holds, none shared (allocate would do
         nothing): 15 of 16 decode steps."""
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        if num_tokens > len(request.block_ids) * self.block_size:
-            return False
-        last = request.block_ids[(num_tokens - 1) // self.block_size]
-        return num_new_tokens == 1 and self.ref_counts[last] == 1
+        # One token lands in the block _shared_write_block looks at: held, and by this request alone.
+        return (
+            num_new_tokens == 1
+            and request.num_computed_tokens < len(request.block_ids) * self.block_size
+            and self._shared_write_block(request) is None
+        )
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         # Cached blocks that nobody references sit in the free list: taking them shrinks it too.

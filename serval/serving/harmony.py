@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from serval.serving.reasoning import ReasoningText
 from serval.serving.structured import MAX_WHITESPACE
-from serval.serving.tool_call_parsers import ContentText, ToolCallArguments, ToolCallStart, _JsonScanner
+from serval.serving.tool_call_parsers import (
+    ContentText,
+    StateParser,
+    ToolCallArguments,
+    ToolCallStart,
+    _JsonScanner,
+)
 
 if TYPE_CHECKING:
     from serval.serving.client_text import Segment
@@ -103,7 +109,7 @@ def _may_become_header(header: str, has_role: bool) -> bool:
     return rest.startswith(("to=", CHANNEL)) or "to=".startswith(rest) or CHANNEL.startswith(rest)
 
 
-class HarmonyParser:
+class HarmonyParser(StateParser):
     """One choice's harmony text -> reasoning, content and tool-call events.
 
     parses_tool_calls: tools are offered, so a message to `functions.NAME` is a call (otherwise its text is
@@ -136,24 +142,6 @@ class HarmonyParser:
     def is_reasoning(self) -> bool:
         """Inside an analysis message's text (from its `<|message|>` until its end)."""
         return self.state == "body" and self.kind == "reasoning"
-
-    def feed(self, text: str) -> list[HarmonyEvent]:
-        self.buffer += text
-        return self._run(final=False)
-
-    def finish(self, is_cut: bool = False) -> list[HarmonyEvent]:
-        """The rest. is_cut: the text was cut short (max_tokens), so an unfinished header or call is dropped."""
-        self.is_cut = is_cut
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[HarmonyEvent]:
-        events: list[HarmonyEvent] = []
-        while getattr(self, f"_on_{self.state}")(events, final):
-            pass
-        return events
-
-    # Each handler consumes what it can of the buffer; True when the state changed and there may be more to
-    # do, False when it needs more text (or, when final, has consumed everything).
 
     def _on_between(self, events: list[HarmonyEvent], final: bool) -> bool:
         stripped = self.buffer.lstrip()  # whitespace between messages is nobody's text

@@ -22,6 +22,7 @@ from typing import Any
 from serval.serving.tool_call_parsers import (
     MAX_HEADER_CHARS,
     ContentText,
+    StateParser,
     ToolCallArguments,
     ToolCallStart,
     ToolEvent,
@@ -77,7 +78,7 @@ def _match_pieces(text: str, pieces: tuple[str, ...]) -> tuple[int | None, bool]
     return position, True
 
 
-class _MarkupCallParser:
+class _MarkupCallParser(StateParser):
     """Free text and runs of calls; subclasses read one call's body (`_on_call`), from its opening marker on."""
 
     def __init__(self, markers: CallMarkers) -> None:
@@ -88,20 +89,6 @@ class _MarkupCallParser:
         self.num_calls = 0
         self.has_text_after_call = False  # content came since the last call (its trailing whitespace counts)
         self.is_cut = False
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        self.buffer += text
-        return self._run(final=False)
-
-    def finish(self, is_cut: bool = False) -> list[ToolEvent]:
-        self.is_cut = is_cut
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[ToolEvent]:
-        events: list[ToolEvent] = []
-        while getattr(self, f"_on_{self.state}")(events, final):
-            pass
-        return events
 
     def _after_call(self) -> str:
         return "section" if self.markers.section_begin else "text"

@@ -141,7 +141,33 @@ def _header_prefix(open: str) -> re.Pattern[str]:
     return re.compile(_prefixes(parts))
 
 
-class JsonCallParser:
+class StateParser:
+    """The streaming driver of the text parsers (tool calls here and in tool_call_markup.py, harmony.py):
+    text is buffered, and the handler of the current state, `_on_<state>(events, final)`, consumes what it
+    can of the buffer, returning True when the state changed and there may be more to do, False when it
+    needs more text (or, when final, has consumed everything). Subclasses set `state`, `buffer` and `is_cut`."""
+
+    state: str
+    buffer: str
+    is_cut: bool
+
+    def feed(self, text: str) -> list:
+        self.buffer += text
+        return self._run(final=False)
+
+    def finish(self, is_cut: bool = False) -> list:
+        """The rest. is_cut: the text was cut short (max_tokens), so unfinished markup is dropped."""
+        self.is_cut = is_cut
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> list:
+        events: list = []
+        while getattr(self, f"_on_{self.state}")(events, final):
+            pass
+        return events
+
+
+class JsonCallParser(StateParser):
     """Calls of the form OPEN {"name": NAME, "arguments": ARGS} CLOSE.
 
     With an `open` marker ("<tool_call>") calls may appear anywhere in the text; without one (Llama 3 writes
@@ -165,23 +191,6 @@ class JsonCallParser:
         self.num_calls = 0
         self.scanner = _JsonScanner()
         self.is_cut = False  # the text ended before the model did (set by finish)
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        self.buffer += text
-        return self._run(final=False)
-
-    def finish(self, is_cut: bool = False) -> list[ToolEvent]:
-        self.is_cut = is_cut
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[ToolEvent]:
-        events: list[ToolEvent] = []
-        while getattr(self, f"_on_{self.state}")(events, final):
-            pass
-        return events
-
-    # Each handler consumes what it can of the buffer; True when the state changed and there may be more to
-    # do, False when it needs more text (or, when final, has consumed everything).
 
     def _on_start(self, events: list[ToolEvent], final: bool) -> bool:
         stripped = self.buffer.lstrip()

@@ -18,6 +18,7 @@ from serval.server_config import ServerConfig
 from serval.serving.frontend import Frontend
 from serval.serving.tokenizer import Tokenizer
 from serval.serving.tool_call_families import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
+from tests.api.chat_stream import stream_parts
 from tests.fixtures.family_templates import write_family_tokenizer
 from tests.fixtures.inprocess_server import serving
 from tests.serving.fakes import FakeEngine
@@ -97,20 +98,7 @@ def family(request, tmp_path_factory):
 
 
 def _stream(client, **fields) -> tuple[str, str, list[dict], str | None]:
-    reasoning, content, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, messages=USER, stream=True, **fields):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            call = calls.setdefault(
-                piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""}
-            )
-            call["arguments"] += piece.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content, [calls[i] for i in sorted(calls)], finish
+    return stream_parts(client, MODEL, USER, **fields)
 
 
 def _extra(fields: dict) -> dict:

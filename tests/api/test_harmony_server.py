@@ -21,6 +21,7 @@ from serval.api.app import build_app
 from serval.server_config import ServerConfig
 from serval.serving.frontend import Frontend
 from serval.serving.tokenizer import Tokenizer
+from tests.api.chat_stream import stream_parts
 from tests.fixtures.inprocess_server import serving
 from tests.fixtures.tiny_models import write_tiny_model
 from tests.serving.fakes import FakeEngine
@@ -68,21 +69,8 @@ def scripted(model_directory):
         yield client
 
 
-def _stream(client, **fields) -> tuple[str, str, list, str]:
-    reasoning, content, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, messages=USER, stream=True, **fields):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        reasoning += getattr(delta, "reasoning_content", None) or ""
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            call = calls.setdefault(
-                piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""}
-            )
-            call["arguments"] += piece.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content, [calls[i] for i in sorted(calls)], finish
+def _stream(client, **fields) -> tuple[str, str, list[dict], str | None]:
+    return stream_parts(client, MODEL, USER, **fields)
 
 
 def test_channels_become_reasoning_and_content(scripted):

@@ -12,6 +12,7 @@ new tokens consecutive, in the layout's order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,9 +24,7 @@ class StepLayout:
     """The shape of one step as every backend reads it: built once by the runner, from its batch state."""
 
     num_new_tokens: list[int]  # per sequence
-    num_computed_tokens: list[
-        int
-    ]  # per sequence: tokens already in the cache (its first new token's position)
+    num_computed_tokens: list[int]  # per sequence: tokens already cached (its first new token's position)
     # (num_seqs, max_blocks) int64 on the CPU: each sequence's blocks in order; entries past them are never
     # read (they may hold any valid block id)
     block_tables: torch.Tensor
@@ -36,6 +35,20 @@ class StepLayout:
     def is_decode_only(self) -> bool:
         """Every sequence computes one token (the common step, which backends may build faster)."""
         return all(n == 1 for n in self.num_new_tokens)
+
+    # The counts as CPU int64 tensors, made once however many of the step's builders read them.
+    @functools.cached_property
+    def new_counts(self) -> torch.Tensor:
+        return torch.tensor(self.num_new_tokens, dtype=torch.long)
+
+    @functools.cached_property
+    def computed_counts(self) -> torch.Tensor:
+        return torch.tensor(self.num_computed_tokens, dtype=torch.long)
+
+    @functools.cached_property
+    def context_lens(self) -> torch.Tensor:
+        """(num_seqs,) cached + new tokens."""
+        return self.new_counts + self.computed_counts
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,14 @@ def paged_attention(
     return step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, window, sinks)
 
 
+def write_new_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The step's new K/V rows into their cache slots (every backend over the flat slot layout does this first)."""
+    k_cache.index_copy_(0, slot_mapping, k)  # index_copy_ is several times cheaper than index_put
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
 def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
     """(num_seqs, max_blocks) int64 block ids from lists, each row padded with 0 (for callers without a
     persistent batch state: tests, embeddings)."""
@@ -116,7 +137,7 @@ def context_slots(layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Every context position of every sequence as a cache slot, (num_seqs, max_context_len) with padding at
     slot 0, and which positions are in a sequence's context."""
     tables, block_size = layout.block_tables, layout.block_size
-    context = torch.tensor(layout.num_new_tokens) + torch.tensor(layout.num_computed_tokens)
+    context = layout.context_lens
     num_seqs, max_blocks = tables.shape
     max_context = int(context.max())
     positions = torch.arange(max_context).expand(num_seqs, max_context)
@@ -127,6 +148,5 @@ def context_slots(layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
 
 def new_token_slots(layout: StepLayout, slots: torch.Tensor, in_context: torch.Tensor) -> torch.Tensor:
     """(num_tokens,) the slot of each new token, sequence by sequence in order (from context_slots)."""
-    computed = torch.tensor(layout.num_computed_tokens)
     positions = torch.arange(slots.shape[1])
-    return slots[in_context & (positions >= computed[:, None])]
+    return slots[in_context & (positions >= layout.computed_counts[:, None])]

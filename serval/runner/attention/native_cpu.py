@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from serval.runner.attention.backend import FusedDecodeInputs, StepLayout, context_slots, new_token_slots
+from serval.runner.attention.backend import (
+    FusedDecodeInputs,
+    StepLayout,
+    context_slots,
+    new_token_slots,
+    write_new_kv,
+)
 
 _NO_SINKS = torch.empty(0)  # the kernels' "no sink logits"
 
@@ -52,8 +58,7 @@ class NativeCpuBackend:
         device = layout.device
         tables = layout.block_tables
         slots, in_context = context_slots(layout)
-        new = torch.tensor(layout.num_new_tokens)
-        context = new + torch.tensor(layout.num_computed_tokens)
+        new, context = layout.new_counts, layout.context_lens
         starts = new.cumsum(0) - new
         decode_rows = decode_tables = decode_lens = None
         is_decode = new == 1
@@ -85,10 +90,7 @@ class NativeCpuBackend:
     def forward(
         self, q, k, v, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks
     ) -> torch.Tensor:
-        k_cache.index_copy_(
-            0, metadata.slot_mapping, k
-        )  # index_copy_ is several times cheaper than index_put
-        v_cache.index_copy_(0, metadata.slot_mapping, v)
+        write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged = (-1, metadata.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
@@ -110,7 +112,7 @@ class NativeCpuBackend:
 def _decode_only(layout: StepLayout) -> NativeMetadata:
     device, block_size = layout.device, layout.block_size
     tables = layout.block_tables
-    computed = torch.tensor(layout.num_computed_tokens, dtype=torch.long)
+    computed = layout.computed_counts
     blocks = tables.gather(1, (computed // block_size).unsqueeze(1)).squeeze(1)
     slot_mapping = blocks * block_size + computed % block_size
     return NativeMetadata(

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serval.runner.attention.backend import FusedDecodeInputs, StepLayout, context_slots, new_token_slots
+from serval.runner.attention.backend import (
+    FusedDecodeInputs,
+    StepLayout,
+    context_slots,
+    new_token_slots,
+    write_new_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,7 @@ class SdpaBackend:
     def build(self, layout: StepLayout) -> SdpaMetadata:
         device = layout.device
         slots, in_context = context_slots(layout)
-        new = torch.tensor(layout.num_new_tokens)
-        context = new + torch.tensor(layout.num_computed_tokens)
+        new, context = layout.new_counts, layout.context_lens
         decode_rows = decode_slots = decode_mask = None
         is_decode = new == 1
         if bool(is_decode.any()):
@@ -68,10 +73,7 @@ class SdpaBackend:
     def forward(
         self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
     ) -> torch.Tensor:
-        k_cache.index_copy_(
-            0, metadata.slot_mapping, k
-        )  # index_copy_ is several times cheaper than index_put
-        v_cache.index_copy_(0, metadata.slot_mapping, v)
+        write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows

@@ -121,6 +121,15 @@ inline simd::Vec tile_scores(const simd::Vec* q, int64_t num_keys, KeyRow key, s
   return simd::mul(simd::sum_each(partial), scale);
 }
 
+// A tile's lanes of `a` for the keys in [first, position], `outside` elsewhere: tile t holds keys t W ..
+// t W + W - 1 (W = kWidth), positions counted as the caller counts them. Both attention kernels mask by it.
+inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, simd::Vec a, simd::Vec outside) {
+  constexpr int64_t W = simd::kWidth;
+  const int64_t before = std::clamp<int64_t>(first - tile * W, 0, W);
+  const int64_t through = std::clamp<int64_t>(position - tile * W + 1, 0, W);
+  return simd::first_lanes(before, outside, simd::first_lanes(through, a, outside));
+}
+
 }  // namespace serval_kernels
 
 // window: a query sees the last `window` positions up to its own (0: all); sinks: see sink_logits.

@@ -61,8 +61,7 @@ inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, in
 
 // The lanes of the tile at t0 that the query sees (from c.skip to c.len), `outside` elsewhere.
 inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec outside) {
-  const int64_t before = std::clamp<int64_t>(c.skip - t0, 0, simd::kWidth);
-  return simd::first_lanes(before, outside, simd::first_lanes(c.len - t0, a, outside));
+  return visible_lanes(c.skip, c.len - 1, t0 / simd::kWidth, a, outside);
 }
 
 template <typename T, int D>  // head_dim, a multiple of 2 * kWidth

@@ -107,19 +107,6 @@ void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, c
   }
 }
 
-inline int64_t keys_visible(int64_t position, int64_t tile) {  // keys of the tile at or before `position`
-  return std::clamp<int64_t>(position - tile * kTile + 1, 0, kTile);
-}
-
-inline int64_t keys_before(int64_t first, int64_t tile) {  // keys of the tile before `first`
-  return std::clamp<int64_t>(first - tile * kTile, 0, kTile);
-}
-
-// A tile's lanes of `a` for the keys in [first, position], `outside` elsewhere (keys relative to the task's).
-inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, simd::Vec a, simd::Vec outside) {
-  return simd::first_lanes(keys_before(first, tile), outside, simd::first_lanes(keys_visible(position, tile), a, outside));
-}
-
 template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
 void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
