@@ -147,6 +147,71 @@ class ParallelConfig:
             raise ValueError("collective_timeout_s must be positive")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculation/), vLLM's --speculative-config keys. A decoding sequence gets
+    up to num_speculative_tokens drafts a step; the model checks them all in the one forward pass that makes
+    its next token, and the answer is the one plain decoding gives (greedy: the same tokens; sampled: the same
+    distribution)."""
+
+    method: str | None = None  # "ngram" (prompt lookup), "draft_model"; None: off
+    num_speculative_tokens: int = 4
+    # ngram: the longest and shortest suffix of the sequence looked up earlier in its prompt and output.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: a smaller GGUF/HF model with the target's vocabulary
+    # Speculation runs in a step only while at most this many sequences decode: past it the batch already
+    # keeps the machine busy and drafts cost more than they save (measured: docs/benchmarks.md).
+    max_num_seqs: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 15:
+            # NOTE: 15 keeps a step's drafts inside what a grammar can take back (MAX_ROLLBACK_TOKENS).
+            raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model is given exactly when the method is draft_model")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method is not None
+
+    def describe(self) -> str:
+        """What runs, in a few words: "off", "ngram (4 drafts, n-grams of 2-4)", "draft_model (4 drafts, PATH)"."""
+        if self.method is None:
+            return "off"
+        source = (
+            f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}" if self.method == "ngram" else self.model
+        )
+        return f"{self.method} ({self.num_speculative_tokens} drafts, {source}; up to {self.max_num_seqs} sequences)"
+
+    @classmethod
+    def from_dict(cls, fields: object) -> SpeculativeConfig:
+        """vLLM's --speculative-config object ({"method": "ngram", "num_speculative_tokens": 4, ...}), keys
+        checked: ValueError names one it does not know."""
+        if not isinstance(fields, dict):
+            raise ValueError("the speculative config must be a JSON object")  # noqa: TRY004
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"bad speculative config: {e}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
@@ -154,3 +219,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoraConfig = LoraConfig()
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()

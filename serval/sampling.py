@@ -42,6 +42,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0  # score = cumulative logprob / generated length ** length_penalty
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    # False: this request decodes a token a step even where the engine speculates (a per-request opt-out).
+    speculative: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # NOTE: unused by the engine
 
     def __post_init__(self) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from serval.config import LoraModule
+from serval.config import LoraModule, SpeculativeConfig
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -342,6 +343,13 @@ def _deploy_options(data: dict[str, Any], deploy: dict[str, Any], base_dir: str)
         lora_root = _typed(data, "LoraRoot", str, "config")
     if lora_root is not None:
         options["lora_root"] = _relative_to(base_dir, lora_root)
+    # Not a MindIE key: --speculative-config's object, beside LoraModules (or at the top level).
+    speculative = deploy.get("SpeculativeConfig", data.get("SpeculativeConfig"))
+    if speculative is not None:
+        config = SpeculativeConfig.from_dict(speculative)
+        if config.model is not None:
+            config = dataclasses.replace(config, model=_relative_to(base_dir, config.model))
+        options["speculative_config"] = config
     return options
 
 

@@ -89,6 +89,8 @@ class SamplingFields(Schema):
         None  # beam search: true, false or "never" (transformers'); checked in beam_rules.py
     )
     user: str | None = None
+    # serval's: false opts this request out of the server's speculative decoding (--speculative-config).
+    speculative_decoding: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

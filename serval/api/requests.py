@@ -165,6 +165,7 @@ def _build(
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
             logit_bias=bias,
+            speculative=request.speculative_decoding is not False,
             **fields,
         )
     except ValueError as e:

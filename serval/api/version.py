@@ -39,4 +39,5 @@ def model_facts(model: str, info: RunnerInfo, max_model_len: int) -> dict[str, s
         "num_threads": info.num_threads,
         "kv_cache_tokens": info.kv_cache_tokens,
         "max_model_len": max_model_len,
+        "speculative_decoding": info.speculative_decoding,
     }

@@ -78,6 +78,26 @@ class VllmEngineCollector(Collector):
             metric = family(name, documentation, labels=[MODEL_LABEL])
             metric.add_metric([self.model_name], value)
             yield metric
+        if stats.num_spec_accepted_per_position:  # speculative decoding is on
+            yield from self._speculation(stats)
+
+    def _speculation(self, stats: EngineStats) -> Iterator:
+        for name, documentation, value in (
+            ("vllm:spec_decode_num_drafts", "Steps in which a sequence carried drafts.", stats.num_spec_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.num_spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_spec_accepted_tokens),
+        ):  # fmt: skip
+            metric = CounterMetricFamily(name, documentation, labels=[MODEL_LABEL])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among their step's drafts (0: the first).",
+            labels=[MODEL_LABEL, "position"],
+        )
+        for position, value in enumerate(stats.num_spec_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
 
 
 class VllmMetrics:

@@ -62,7 +62,9 @@ class EngineClient:
         self.vocab_size = engine.runner.info.vocab_size  # the logits' width (may exceed the tokenizer's)
         # What is served and how (architecture, weight format, kernels, KV cache), fixed once loaded: the
         # layers above read the runner's facts here (start-up log, /metrics, /version), never from the runner.
-        self.runner_info: RunnerInfo = engine.runner.info
+        self.runner_info: RunnerInfo = dataclasses.replace(
+            engine.runner.info, speculative_decoding=engine.config.speculative.describe()
+        )
         self._max_queue_len = engine.config.scheduler.max_queue_len
         # Reads adapter files and the model's fixed shapes, never a slot: safe on a worker thread.
         self._read_lora = engine.runner.read_lora
@@ -356,6 +358,7 @@ class EngineClient:
 def _snapshot(engine: Engine) -> EngineStats:
     """The engine's counters now; called on the thread that owns the engine."""
     bm = engine.block_manager
+    spec = engine.speculator.counters if engine.speculator is not None else None
     return EngineStats(
         num_running=len(engine.scheduler.running),
         num_waiting=engine.num_waiting,
@@ -368,4 +371,8 @@ def _snapshot(engine: Engine) -> EngineStats:
         num_steps=engine.num_steps,
         num_preemptions=engine.num_preemptions,
         num_generated_tokens=engine.num_generated_tokens,
+        num_spec_drafts=spec.num_drafts if spec else 0,
+        num_spec_draft_tokens=spec.num_draft_tokens if spec else 0,
+        num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        num_spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
     )

@@ -18,8 +18,9 @@ from serval.engine.constraint import TokenConstraint
 from serval.engine.embedding import embed_prompts
 from serval.engine.lora import LoraCard, LoraConflictError, LoraError, LoraRegistry
 from serval.engine.outputs import RequestOutput, TokenLogprob
-from serval.engine.request import Request, record_timing, sampling_row
+from serval.engine.request import Request, draft_sampling_rows, record_timing, sampling_row
 from serval.engine.scheduler import Scheduler, SchedulerOutput
+from serval.engine.speculation.proposers import make_speculator
 from serval.model_source import ModelSource, resolve_model
 from serval.runner.batch import Batch, SamplerOutput, SamplingRow
 from serval.runner.lora import LoraAdapter
@@ -54,6 +55,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # Beam searches run their beams as ordinary requests; which beams live on is theirs to say.
         self.beams = BeamSearches(self.scheduler, self.block_manager, self.max_model_len)
+        # Speculative decoding (engine/speculation/); None: a token a step.
+        self.speculator = make_speculator(config, self.max_model_len, info.vocab_size)
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
@@ -134,6 +137,8 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
         self.num_parked_followers -= len(request.followers)
         for follower in request.followers:
             if follower.request_id in self.requests:  # not aborted meanwhile
@@ -182,6 +187,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         # Expired pins first, so this step's allocations may already evict their blocks.
         self.block_manager.release_expired_pins()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -197,13 +204,26 @@ class Engine:
         token_ids: list[int] = []
         sample_indices: list[int] = []
         rows: list[SamplingRow] = []
+        num_logit_rows: list[int] = []  # stays empty unless someone speculates: one row each
         for i, (request, num_new, num_computed) in enumerate(
             zip(scheduled.requests, scheduled.num_new_tokens, scheduled.num_computed_tokens)
         ):
+            drafts = request.draft_token_ids
+            if drafts:  # its last input, then the drafts: a row each, and one after the last draft
+                token_ids.extend(request.token_ids[num_computed:])
+                token_ids.extend(drafts)
+                sample_indices.append(i)
+                rows.extend(draft_sampling_rows(request))
+                if not num_logit_rows:
+                    num_logit_rows = [1] * (len(sample_indices) - 1)
+                num_logit_rows.append(len(drafts) + 1)
+                continue
             token_ids.extend(request.token_ids[num_computed : num_computed + num_new])
             if num_computed + num_new == request.num_tokens:
                 sample_indices.append(i)
                 rows.append(sampling_row(request))
+                if num_logit_rows:
+                    num_logit_rows.append(1)
         lora_slots = []
         if any(r.lora is not None for r in scheduled.requests):
             lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
@@ -220,6 +240,7 @@ class Engine:
             block_copies=self.block_manager.take_copies(),
             lora_slots=lora_slots,
             media=media,
+            num_logit_rows=num_logit_rows,
         )
 
     def _update(
@@ -229,7 +250,8 @@ class Engine:
         batch_size = len(scheduled.requests)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens):
             request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
+            # Drafts computed this step may yet be rejected: the blocks they are in stay unnamed until kept.
+            self.block_manager.cache_full_blocks(request, len(request.draft_token_ids))
             if request.wants_pin:
                 # Pinned once, as soon as the prefix is computed (a preempted request does not pin again).
                 request.num_newly_pinned_tokens = self.block_manager.pin(
@@ -244,27 +266,21 @@ class Engine:
                 request.timing.prefill_time_ms += elapsed * 1000.0
         outputs = []
         reported: dict[str, BeamSearchGroup] = {}
-        for row, seq_index in enumerate(batch.sample_indices):
+        end_row = 0
+        for seq_index, num_rows in zip(batch.sample_indices, batch.logit_row_counts()):
             request = scheduled.requests[seq_index]
+            first_row, end_row = end_row, end_row + num_rows
             if request.beam_group is not None:
-                request.beam_group.report(request, sampled.top_logprobs[row])
+                request.beam_group.report(request, sampled.top_logprobs[first_row])
                 reported[request.beam_group.request_id] = request.beam_group
                 continue
-            token_id = sampled.token_ids[row]
-            record_timing(request, batch_size, started, elapsed, now)
-            request.append_token(token_id)
-            if request.constraint is not None:
-                # NOTE: only here, for a freshly sampled token: recomputing after preemption samples nothing.
-                request.constraint.accept_token(token_id)
-            self.num_generated_tokens += 1
-            logprob = None
-            if sampled.logprobs is not None and request.params.logprobs is not None:
-                logprob = [TokenLogprob(token_id, sampled.logprobs[row], sampled.top_logprobs[row])]
-            finished = request.check_stop(self.max_model_len)
-            if finished:
-                self.scheduler.finish(request)
-                del self.requests[request.request_id]
-            outputs.append(self._output(request, [token_id], logprob))
+            if request.draft_token_ids:
+                new_token_ids = self._settle_drafts(request, sampled.token_ids[first_row:end_row])
+            else:
+                new_token_ids = [sampled.token_ids[first_row]]
+            outputs.append(
+                self._emit(request, new_token_ids, sampled, first_row, (batch_size, started, elapsed, now))
+            )
         for group in reported.values():
             if group.all_reported:
                 record_timing(group, batch_size, started, elapsed, now)
@@ -272,6 +288,48 @@ class Engine:
                 if output is not None:
                     outputs.append(output)
         return outputs
+
+    def _settle_drafts(self, request: Request, sampled_ids: list[int]) -> list[int]:
+        """A speculating request's new tokens: the drafts its sampled rows confirm and the token sampled after
+        the last of them. The rejected drafts' KV rows are forgotten (their blocks given back or unnamed)."""
+        num_accepted = self.speculator.accepted_length(request, sampled_ids)
+        self.block_manager.rollback(request, len(request.draft_token_ids) - num_accepted)
+        request.clear_drafts()
+        return sampled_ids[: num_accepted + 1]
+
+    def _emit(
+        self, request: Request, new_token_ids: list[int], sampled: SamplerOutput, first_row: int, step: tuple
+    ) -> RequestOutput:
+        """Append a request's new tokens (row first_row on of the sampler's output) up to a stop, and report
+        them. Tokens after the one that finishes it (accepted drafts past a stop) are dropped."""
+        batch_size, started, elapsed, now = step
+        wants_logprobs = sampled.logprobs is not None and request.params.logprobs is not None
+        logprobs = [] if wants_logprobs else None
+        emitted = 0
+        for row, token_id in enumerate(new_token_ids, start=first_row):
+            # A step's tokens share its time: each is charged an equal part of it.
+            record_timing(request, batch_size, started, elapsed / len(new_token_ids), now)
+            request.append_token(token_id)
+            if request.constraint is not None:
+                # NOTE: only here, for a freshly sampled token: recomputing after preemption samples nothing.
+                request.constraint.accept_token(token_id)
+            self.num_generated_tokens += 1
+            emitted += 1
+            if wants_logprobs:
+                logprobs.append(TokenLogprob(token_id, sampled.logprobs[row], sampled.top_logprobs[row]))
+            if request.check_stop(self.max_model_len):
+                break
+        if request.finish_reason is not None:
+            self._finish(request)
+        elif emitted > 1:
+            self.block_manager.cache_full_blocks(request)  # the blocks the kept drafts filled get their names
+        return self._output(request, new_token_ids[:emitted], logprobs)
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        del self.requests[request.request_id]
+        if self.speculator is not None:
+            self.speculator.forget(request)
 
     def _release_followers(self, leader: Request) -> None:
         """The leader's prompt is computed: each follower takes its blocks by reference and recomputes only

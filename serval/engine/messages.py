@@ -171,6 +171,11 @@ class EngineStats:
     num_generated_tokens: int
     num_pinned_blocks: int = 0  # blocks held by explicit-cache pins (cache_control)
     num_refused_pin_blocks: int = 0  # blocks pins asked for past --max-pinned-kv-fraction, left unpinned
+    # Speculative decoding (engine/speculation/speculator.py's counters); an empty per-position tuple: off.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

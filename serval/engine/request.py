@@ -71,6 +71,11 @@ class Request:
         # Set on the sequences of a beam search: the group that picks their next tokens (engine/beam_search.py).
         self.beam_group = None
         self.lora = lora  # the LoRA adapter it runs with; None: the base model
+        # Speculative decoding (engine/speculation/): the tokens proposed to follow token_ids, computed with
+        # its next token this step and kept as far as the model agrees; not part of token_ids until then. For a
+        # constrained request, the grammar's mask before each draft and after the last (len(drafts) + 1).
+        self.draft_token_ids: list[int] = []
+        self.draft_bitmasks: list[torch.Tensor | None] = []
         # Its prompt's media items (by offset) and the runner's state of them (ModelRunner.prepare_media),
         # dropped when the request finishes; the items' content hashes key the blocks their rows are in.
         self.media: tuple[MediaInput, ...] = ()
@@ -119,6 +124,22 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    def keep_drafts(self, num_new_tokens: int) -> None:
+        """The step computes only num_new_tokens of its tokens (the token budget ran short): drafts past them
+        are dropped, so that the step's last token is still one the sampler follows."""
+        num_kept = max(0, num_new_tokens - (self.num_tokens - self.num_computed_tokens))
+        if num_kept < len(self.draft_token_ids):
+            del self.draft_token_ids[num_kept:]
+            del self.draft_bitmasks[num_kept + 1 :]
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_bitmasks = []
+
     def rollback_tokens(self, num_tokens: int) -> None:
         """Drop the last `num_tokens` output tokens (rejected speculative drafts). Those computed must have
         been forgotten first (BlockManager.rollback): no computed token may lie past the context. Its
@@ -156,21 +177,36 @@ def sampling_row(request: Request) -> SamplingRow:
     Most of it is fixed for the request's life: built once and handed over again each step (the runner only
     reads rows); what changes per token (the outputs for penalties, bans under min_tokens, a grammar's
     mask) is laid over it only for the requests that use it."""
-    p = request.params
     if request.beam_group is not None:
         # A beam needs its most likely continuations under the raw distribution, nothing sampled.
-        num_logprobs = max(request.beam_group.num_candidates, p.logprobs or 0)
+        num_logprobs = max(request.beam_group.num_candidates, request.params.logprobs or 0)
         return SamplingRow(num_logprobs=num_logprobs)  # greedy, every other transform off
+    bitmask = None if request.constraint is None else request.constraint.allowed_token_bitmask()
+    return _row_after(request, [], bitmask)
+
+
+def draft_sampling_rows(request: Request) -> list[SamplingRow]:
+    """A speculating request's rows: row j picks the token after its j-th draft (row 0 the token after its
+    context), each exactly as plain decoding would once the drafts before it were its outputs."""
+    return [
+        _row_after(request, request.draft_token_ids[:j], bitmask)
+        for j, bitmask in enumerate(request.draft_bitmasks or [None] * (len(request.draft_token_ids) + 1))
+    ]
+
+
+def _row_after(request: Request, drafts: list[int], bitmask: torch.Tensor | None) -> SamplingRow:
+    """The request's row for the token after its outputs and then `drafts` (none: its next token)."""
+    p = request.params
     if request.fixed_sampling_row is None:
         request.fixed_sampling_row = _fixed_sampling_row(request)
     changes = {}
     if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-        changes["output_token_ids"] = request.output_token_ids
-    if request.num_output_tokens < p.min_tokens:
+        changes["output_token_ids"] = request.output_token_ids + drafts
+    if request.num_output_tokens + len(drafts) < p.min_tokens:
         eos = frozenset() if p.ignore_eos else request.eos_token_ids
         changes["banned_token_ids"] = sorted(request.stop_token_ids | eos)
-    if request.constraint is not None:
-        changes["allowed_token_bitmask"] = request.constraint.allowed_token_bitmask()
+    if bitmask is not None:
+        changes["allowed_token_bitmask"] = bitmask
     return (
         dataclasses.replace(request.fixed_sampling_row, **changes) if changes else request.fixed_sampling_row
     )

@@ -59,10 +59,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Its next input and any speculative drafts (engine/speculation/), as far as the budget goes.
+            num_new = min(request.num_tokens_with_drafts - request.num_computed_tokens, budget)
             if num_new == 0:
                 index += 1  # a beam that reported and waits for its group's choice (engine/beam_search.py)
                 continue
+            if request.draft_token_ids:
+                request.keep_drafts(num_new)
             # Most decode steps write into a block the request already holds alone: nothing to allocate.
             if not self.block_manager.fits_in_place(request, num_new):
                 if not self._make_room(request, num_new, out, scheduled):
@@ -113,6 +116,7 @@ class Scheduler:
         self.running.remove(request)
         self.rows.release(request)
         self.block_manager.free(request)
+        request.clear_drafts()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -17,7 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from serval.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from serval.config import (
+    CacheConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from serval.entrypoints import terminal_chat
 from serval.entrypoints.cli_options import add_serve_parser
 from serval.entrypoints.wiring import serve
@@ -84,7 +92,10 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
         lora_modules=tuple(options.get("lora_modules") or ()),
     )  # fmt: skip
     parallel = ParallelConfig(**_pick(options, {"tensor_parallel_size": "tensor_parallel_size"}))
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora, parallel=parallel)
+    speculative = options.get("speculative_config") or SpeculativeConfig()
+    return EngineConfig(
+        model=model, cache=cache, scheduler=scheduler, lora=lora, parallel=parallel, speculative=speculative
+    )
 
 
 def server_config(options: dict[str, Any], default_model_name: str) -> ServerConfig:

@@ -11,7 +11,7 @@ import argparse
 import json
 import re
 
-from serval.config import LoraModule
+from serval.config import LoraModule, SpeculativeConfig
 from serval.server_config import split_domains
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -42,6 +42,14 @@ def lora_module(text: str) -> LoraModule:
         return LoraModule(name.strip(), path.strip())
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(f"bad LoRA module {text!r}: {e}") from None
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """vLLM's --speculative-config: a JSON object of SpeculativeConfig's keys."""
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"bad --speculative-config {text!r}: {e}") from None
 
 
 def json_list(text: str) -> list[str]:
@@ -229,6 +237,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "to HTTP: a lower p99 on a busy machine, a higher median)",
     )
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts copied from the prompt and output) or '
+        '\'{"method": "draft_model", "model": PATH}\' (a smaller model with the same vocabulary); greedy '
+        "answers are unchanged, sampled ones keep their distribution (default: off; docs/speculative.md)",
+    )
 
 
 def _add_limit_options(p: argparse.ArgumentParser) -> None:

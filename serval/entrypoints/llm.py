@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from serval.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from serval.engine.loading import build_engine
 from serval.engine.outputs import TokenLogprob
 from serval.entrypoints.llm_media import chat_prompt, multi_modal_prompt
@@ -77,9 +84,13 @@ class LLM:
         max_num_batched_tokens: int = 512,
         batch_activations: str = "auto",
         tensor_parallel_size: int = 1,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ):
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
-        close() stops them (else they stop when this process exits)."""
+        close() stops them (else they stop when this process exits). speculative_config: vLLM's keys
+        ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig)."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -101,6 +112,7 @@ class LLM:
                 max_queue_len=OFFLINE_MAX_QUEUE_LEN,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            speculative=speculative_config or SpeculativeConfig(),
         )
         self.engine = build_engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)

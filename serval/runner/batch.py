@@ -55,7 +55,7 @@ class Batch:
     # one-shot callers (embeddings, tests).
     block_tables: torch.Tensor | list[list[int]]
     sample_indices: list[int]  # which sequences produce a token this step (their context is complete)
-    sampling: list[SamplingRow]  # one per entry of sample_indices
+    sampling: list[SamplingRow]  # one per logit row (logit_row_counts(): one per entry of sample_indices)
     # KV blocks to copy (source, destination) before the forward pass: copy on write of forked sequences.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Per sequence: the LoRA adapter slot it runs with, -1 for the base model (the engine fills it from the
@@ -66,8 +66,8 @@ class Batch:
     media: list[MediaPrompt | None] = field(default_factory=list)
     # Per entry of sample_indices: how many of the sequence's last new tokens want logits, each the
     # distribution of the token after it. A speculative step computes the last accepted token and k draft
-    # tokens and wants all k + 1 (ModelRunner.score); sampling (ModelRunner.execute) takes one each. Empty:
-    # one each, the last, as every step that samples.
+    # tokens and samples after each of the k + 1 (engine/speculation/). Empty: one each, the last, as every
+    # step that does not speculate.
     num_logit_rows: list[int] = field(default_factory=list)
 
     @property

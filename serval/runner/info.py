@@ -34,6 +34,10 @@ class RunnerInfo:
     pooling: str | None = None
     normalizes_embeddings: bool = False
     hidden_size: int = 0  # the width of an embedding model's vectors
+    # Speculative decoding as the engine runs it (SpeculativeConfig.describe()): not the runner's own fact,
+    # filled in by the engine's client so that every report of what runs (start-up line, /version, the info
+    # gauge, a replica's hello) carries it.
+    speculative_decoding: str = "off"
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -46,7 +50,8 @@ class RunnerInfo:
             f" compute dtype {self.dtype} on {self.device},"
             f" CPU kernels {self.kernel_variant}, {self.num_threads} threads{self._parallel_text()},"
             f" KV cache {self.kv_cache_tokens}"
-            f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len}"
+            f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len},"
+            f" speculative decoding {self.speculative_decoding}"
         )
 
     def _packed_text(self) -> str:

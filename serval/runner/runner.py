@@ -363,15 +363,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> SamplerOutput:
-        """Sample one token per entry of sample_indices. NOTE: refuses a batch asking for more than one logit
-        row of a sequence rather than sampling its last: sampling several rows is speculative decoding's
-        verification, which is its own decision (score() gives it the rows)."""
-        if any(count != 1 for count in batch.num_logit_rows):
-            raise ValueError("execute() samples one token per sequence; score() gives several rows' logits")
+        """Sample a token from every logit row the batch asks for (one per sampled sequence, or several of a
+        speculating one: num_logit_rows), each with its own entry of batch.sampling."""
         self._use_step_threads(batch)
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)
+        if len(batch.sampling) != sum(batch.logit_row_counts()):
+            raise ValueError("a batch needs one sampling row per logit row")
         logits = self.compute_logits(batch)
         return self.sampler(logits, batch.sampling)
 
