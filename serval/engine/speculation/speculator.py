@@ -134,7 +134,8 @@ def _grammar_checked(request: Request, drafts: list[int]) -> tuple[list[int], li
                 break
             constraint.accept_token(token_id)
             kept.append(token_id)
-            bitmasks.append(_copy(constraint.allowed_token_bitmask()))
+            # A draft that completes the grammar ends the request if kept: the row after it is never used.
+            bitmasks.append(None if constraint.is_finished else _copy(constraint.allowed_token_bitmask()))
     finally:
         constraint.rollback(len(kept))
     return kept, bitmasks
