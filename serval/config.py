@@ -169,10 +169,14 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
         if not 1 <= self.num_speculative_tokens <= 15:
             # NOTE: 15 keeps a step's drafts inside what a grammar can take back (MAX_ROLLBACK_TOKENS).
-            raise ValueError(f"num_speculative_tokens must be between 1 and 15, got {self.num_speculative_tokens}")
+            raise ValueError(
+                f"num_speculative_tokens must be between 1 and 15, got {self.num_speculative_tokens}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
@@ -192,7 +196,9 @@ class SpeculativeConfig:
         if self.method is None:
             return "off"
         source = (
-            f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}" if self.method == "ngram" else self.model
+            f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}"
+            if self.method == "ngram"
+            else self.model
         )
         return f"{self.method} ({self.num_speculative_tokens} drafts, {source}; up to {self.max_num_seqs} sequences)"
 

@@ -7,9 +7,9 @@ flag names so that the CLI can layer them: built-in defaults < config file < com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

@@ -97,7 +97,10 @@ def test_a_stop_string_inside_accepted_drafts(client, server):
 
 
 def test_a_json_schema_answer_is_the_plain_one(client, server):
-    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
     messages = [{"role": "user", "content": "Give a person as JSON: Ann, 31 years old."}]
     drafted, plain = _both(client, server, messages=messages, max_tokens=60, response_format=response_format)
     assert drafted.message.content == plain.message.content
@@ -108,7 +111,10 @@ def test_a_forced_tool_call_is_the_plain_one(client, server):
     drafted, plain = _both(client, server, messages=COPY, max_tokens=80, tools=TOOLS, tool_choice="required")
     assert drafted.finish_reason == plain.finish_reason == "tool_calls"
     [call], [plain_call] = drafted.message.tool_calls, plain.message.tool_calls
-    assert (call.function.name, call.function.arguments) == (plain_call.function.name, plain_call.function.arguments)
+    assert (call.function.name, call.function.arguments) == (
+        plain_call.function.name,
+        plain_call.function.arguments,
+    )
 
 
 def test_metrics_and_version_say_what_runs(server):

@@ -51,4 +51,6 @@ def test_agrees_with_the_plain_rule_on_random_sequences(seed):
     min_n = rng.randrange(1, 4)
     max_n = rng.randrange(min_n, 6)
     max_drafts = rng.randrange(1, 8)
-    assert NgramProposer(min_n, max_n).lookup(tokens, max_drafts) == _reference(tokens, max_drafts, min_n, max_n)
+    assert NgramProposer(min_n, max_n).lookup(tokens, max_drafts) == _reference(
+        tokens, max_drafts, min_n, max_n
+    )

@@ -22,13 +22,13 @@ NUM_ANSWERS = 3000
 SAMPLED = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
 
 
-def _engine(directory: str, speculative: SpeculativeConfig = SpeculativeConfig()) -> Engine:
+def _engine(directory: str, speculative: SpeculativeConfig | None = None) -> Engine:
     return Engine(
         EngineConfig(
             model=ModelConfig(model=directory, dtype="float32"),
             cache=CacheConfig(num_blocks=2048, block_size=4),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
-            speculative=speculative,
+            speculative=speculative or SpeculativeConfig(),
         )
     )
 

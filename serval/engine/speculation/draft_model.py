@@ -38,7 +38,9 @@ class DraftModelProposer:
             kv_cache_memory_bytes=max(config.cache.kv_cache_memory_bytes // 4, 64 << 20),
             enable_prefix_caching=False,
         )
-        self.runner = make_runner(draft_model, draft_cache, resolve_model(spec.model), LoraConfig(), ParallelConfig())
+        self.runner = make_runner(
+            draft_model, draft_cache, resolve_model(spec.model), LoraConfig(), ParallelConfig()
+        )
         info = self.runner.info
         if info.vocab_size != target_vocab_size:
             raise ValueError(
@@ -48,7 +50,9 @@ class DraftModelProposer:
         self.max_model_len = info.max_model_len
         self.free_block_ids = list(range(info.num_blocks - 1, -1, -1))
         self.sequences: dict[str, _DraftSequence] = {}
-        self.drafts: dict[str, list[int]] = {}  # this step's, by request id (prepare fills, propose hands out)
+        self.drafts: dict[
+            str, list[int]
+        ] = {}  # this step's, by request id (prepare fills, propose hands out)
         self.num_speculative_tokens = spec.num_speculative_tokens
 
     def prepare(self, requests: list[Request]) -> None:
@@ -60,7 +64,9 @@ class DraftModelProposer:
         inputs = [r.token_ids[len(self.sequences[r.request_id].token_ids) :] for r in active]
         for position in range(self.num_speculative_tokens):
             if position > 0:  # each sequence's newest draft is the next input: a block for it, or it stops
-                room = [(r, i) for r, i in zip(active, inputs) if self._reserve(self.sequences[r.request_id], 1)]
+                room = [
+                    (r, i) for r, i in zip(active, inputs) if self._reserve(self.sequences[r.request_id], 1)
+                ]
                 if not room:
                     break
                 active, inputs = (list(column) for column in zip(*room))
@@ -92,7 +98,9 @@ class DraftModelProposer:
         return self._reserve(sequence, request.num_tokens - num_kept)
 
     def _reserve(self, sequence: _DraftSequence, num_new_tokens: int) -> bool:
-        num_needed = -(-(len(sequence.token_ids) + num_new_tokens) // self.block_size) - len(sequence.block_ids)
+        num_needed = -(-(len(sequence.token_ids) + num_new_tokens) // self.block_size) - len(
+            sequence.block_ids
+        )
         if num_needed > len(self.free_block_ids):
             return False
         for _ in range(num_needed):
