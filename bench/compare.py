@@ -40,7 +40,7 @@ def start(command: str, port: int, log_path: str) -> tuple[subprocess.Popen, flo
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            shlex.split(command.format(port=port)), stdout=log, stderr=subprocess.STDOUT
+            shlex.split(command.replace("{port}", str(port))), stdout=log, stderr=subprocess.STDOUT
         )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
