@@ -219,3 +219,41 @@ def test_media_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
         ServerConfig(allowed_media_domains=("http://x.org",))
     with pytest.raises(ValueError, match="max_concurrent_media_fetches"):
         ServerConfig(max_concurrent_media_fetches=0)
+
+
+def test_speculative_config_from_the_flag_and_the_file(tmp_path):
+    flag = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5}'
+    options = merged_options(build_parser().parse_args(["serve", "--speculative-config", flag]))
+    spec = engine_config(options).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
+        "ngram", 6, 5, 2,
+    )  # fmt: skip
+    assert engine_config(merged_options(build_parser().parse_args(["serve"]))).speculative.method is None
+    data = {**MINDIE, "SpeculativeConfig": {"method": "draft_model", "model": "draft.gguf"}}
+    spec = engine_config(
+        merged_options(build_parser().parse_args(["serve", "--config", write(tmp_path, data)]))
+    )
+    assert spec.speculative.model == str(tmp_path / "draft.gguf")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"method": "eagle"}', "speculative method must be one of"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "between 1 and 15"),
+        ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "1 <= min <= max"),
+        ('{"method": "draft_model"}', "a draft model is given exactly when"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "unknown speculative config key"),
+        ("[1]", "must be a JSON object"),
+        ("{not json", "Expecting property name"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_at_start(text, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", text])
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_speculative_config_in_the_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown speculative config key"):
+        read_mindie_config(write(tmp_path, {"SpeculativeConfig": {"method": "ngram", "k": 1}}))
