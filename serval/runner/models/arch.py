@@ -5,12 +5,14 @@ A multimodal checkpoint (Qwen2-VL, Qwen2.5-VL) adds the shape of its vision towe
 sections, or (Qwen2-Audio) the shape of its audio encoder (AudioArch); its language model is read from
 `text_config` when the config nests it (transformers 5 writes it so), from the top level otherwise (the
 released Qwen2-VL checkpoints). A mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral) adds MoeArch: its
-experts, router and which layers are sparse; the facts that differ per family live in _MOE_FAMILIES.
+experts, router and which layers are sparse (models/moe_arch.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from serval.runner.models.moe_arch import MOE_ARCHITECTURES, MoeArch
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class ArchConfig:
             mrope_section=_mrope_section(cfg),
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
-            moe=MoeArch.from_hf_config(architecture, cfg) if architecture in _MOE_FAMILIES else None,
+            moe=MoeArch.from_hf_config(architecture, cfg) if architecture in MOE_ARCHITECTURES else None,
             has_lm_head=architecture not in BARE_DECODERS,
         )
 
@@ -136,95 +138,6 @@ _QWEN2_CONFIG_DEFAULTS = {
     "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MoeFamily:
-    """How one family's config.json spells its experts (transformers' config classes and their defaults)."""
-
-    expert_width_key: str  # the width of one routed expert's MLP
-    renormalize_default: bool | None  # norm_topk_prob's default; None: the family always renormalizes
-    has_shared_expert: bool  # Qwen2-MoE: a dense expert beside the routed ones, behind a sigmoid gate
-    has_biases: bool = False  # gpt-oss: the router and every expert projection have biases
-    activation: str = "silu"  # MoeArch.activation
-    # gpt-oss's checkpoints: gate_up_proj (E, hidden, 2I) with gate and up in alternate columns
-    interleaved_gate_up: bool = False
-
-
-_MOE_FAMILIES = {
-    "Qwen3MoeForCausalLM": MoeFamily("moe_intermediate_size", False, False),
-    "Qwen2MoeForCausalLM": MoeFamily("moe_intermediate_size", False, True),
-    "MixtralForCausalLM": MoeFamily("intermediate_size", None, False),
-    # top-k of the logits, then a softmax over those k: the same as renormalizing
-    "GptOssForCausalLM": MoeFamily(
-        "intermediate_size",
-        None,
-        False,
-        has_biases=True,
-        activation="clamped_swiglu",
-        interleaved_gate_up=True,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class MoeArch:
-    """The routed experts of a mixture-of-experts decoder: each token's router logits (a linear map of its
-    hidden state) pick top_k experts by softmax; their SwiGLU MLPs' outputs are summed with the softmax
-    weights, renormalized over the chosen k when `renormalize` (softmax -> top-k -> renormalize equals a
-    softmax over the top-k logits)."""
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    renormalize: bool
-    dense_layers: frozenset[int]  # layers whose MLP is dense (intermediate_size wide), not sparse
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
-    has_biases: bool = False  # the router and the experts' gate, up and down projections add biases
-    # "silu": silu(gate) * up; "clamped_swiglu" (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit),
-    # g * sigmoid(alpha g) * (u + 1)
-    activation: str = "silu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    interleaved_gate_up: bool = False  # how the HF checkpoint lays out its fused experts (MoeFamily)
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer not in self.dense_layers
-
-    @classmethod
-    def from_hf_config(cls, architecture: str, cfg: dict) -> MoeArch:
-        family = _MOE_FAMILIES[architecture]
-        num_layers = int(cfg["num_hidden_layers"])
-        # Qwen-MoE: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step
-        # == 0 (transformers' Qwen2MoeDecoderLayer).
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        listed = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        dense = frozenset(i for i in range(num_layers) if i in listed or (i + 1) % step != 0)
-        renormalize = family.renormalize_default is None or bool(
-            cfg.get("norm_topk_prob", family.renormalize_default)
-        )
-        # Released Qwen-MoE configs say num_experts; transformers 5 writes num_local_experts for every family.
-        top_k, num_experts = (
-            int(cfg["num_experts_per_tok"]),
-            int(cfg.get("num_experts") or cfg["num_local_experts"]),
-        )
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-        return cls(
-            num_experts=num_experts,
-            top_k=top_k,
-            expert_intermediate_size=int(cfg[family.expert_width_key]),
-            renormalize=renormalize,
-            dense_layers=dense,
-            shared_expert_intermediate_size=(
-                int(cfg.get("shared_expert_intermediate_size") or 0) if family.has_shared_expert else 0
-            ),
-            has_biases=family.has_biases,
-            activation=family.activation,
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            interleaved_gate_up=family.interleaved_gate_up,
-        )
 
 
 @dataclass(frozen=True)

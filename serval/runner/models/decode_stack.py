@@ -3,7 +3,7 @@ packed forms, caches and attention facts in the lists its constructor takes.
 
 The stack computes what the model's layers compute with the native kernels, bit for bit, so it is built only
 where every layer is one it runs: dense MLPs, and sparse layers whose experts and router take the native
-kernels (kernels/moe.cpp) with no shared expert.
+kernels (kernels/moe.cpp) with no shared expert and a plain softmax router (MoeArch.has_plain_routing).
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ def _linear(module: Linear) -> list[torch.Tensor]:
 def _runs_natively(mlp) -> bool:
     if not isinstance(mlp, SparseMoe):
         return True
-    return mlp.native_kernel is not None and mlp.router_kernel is not None and mlp.shared_expert is None
+    return (
+        mlp.native_kernel is not None
+        and mlp.router_kernel is not None
+        and mlp.shared_expert is None
+        and mlp.shared_experts is None
+        and mlp.has_plain_routing  # the stack's router is a softmax over all experts
+    )
 
 
 def _experts(mlp: SparseMoe) -> tuple[list[torch.Tensor], list[float]]:
