@@ -48,7 +48,7 @@ class ArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3, GLM-4.5's use_qk_norm)
     rope_scaling: RopeScaling | None = None
     o_proj_bias: bool = False  # the output projection carries a bias too (gpt-oss, Llama's attention_bias)
     # Sliding-window attention: the layers whose queries see only the last sliding_window positions up to
@@ -57,6 +57,10 @@ class ArchConfig:
     sliding_window: int = 0
     sliding_layers: frozenset[int] = frozenset()
     attention_sinks: bool = False  # a learned logit per head joins every softmax (gpt-oss)
+    # Partial RoPE (GLM-4, GLM-4.5, MiniMax-M2): only each head's first rotary_dim dims turn; 0: all of them.
+    rotary_dim: int = 0
+    rope_interleaved: bool = False  # GLM-4: dims (2i, 2i+1) turn together, not (i, i + rotary_dim / 2)
+    qk_norm_over_heads: bool = False  # MiniMax-M2: q's (k's) norm spans all its heads' dims at once
     # M-RoPE (Qwen2-VL): how many rotary frequencies follow each position axis (t, h, w, t, ...); empty: 1-D
     mrope_section: tuple[int, ...] = ()
     vision: VisionArch | None = None  # the vision tower of a multimodal model
@@ -65,6 +69,11 @@ class ArchConfig:
     # False for a bare decoder (Qwen3Model, what sentence-transformers saves) and any embedding model: no
     # lm_head is loaded (runner/pooling.py reads its final hidden states instead of logits).
     has_lm_head: bool = True
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each q/k head that RoPE turns (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ArchConfig:
@@ -99,9 +108,14 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (and none on o); Llama-family configs say so with attention_bias.
             attention_bias=attention_bias,
-            qk_norm=architecture in _QK_NORM_DECODERS,
+            qk_norm=architecture in _QK_NORM_DECODERS
+            or bool(cfg.get("use_qk_norm"))
+            and architecture in _USE_QK_NORM_DECODERS,
             rope_scaling=_rope_scaling(cfg),
-            o_proj_bias=attention_bias and architecture not in _QWEN2_DECODERS,
+            o_proj_bias=attention_bias and architecture not in _QWEN2_DECODERS | _GLM_DECODERS,
+            rotary_dim=_rotary_dim(architecture, cfg, int(head_dim)),
+            rope_interleaved=architecture in _INTERLEAVED_ROPE_DECODERS,
+            qk_norm_over_heads=architecture in _QK_NORM_OVER_HEADS_DECODERS,
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             attention_sinks=architecture in _SINK_DECODERS,
@@ -126,8 +140,17 @@ _QWEN2_DECODERS = frozenset(
         "Qwen2MoeForCausalLM",
     }
 )
-# Architectures with a per-head RMSNorm on q and k.
-_QK_NORM_DECODERS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"})
+# Architectures with a per-head RMSNorm on q and k; GLM-4.5's where its config says use_qk_norm; MiniMax-M2's
+# spans all heads.
+_QK_NORM_DECODERS = frozenset(
+    {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model", "MiniMaxM2ForCausalLM"}
+)
+_USE_QK_NORM_DECODERS = frozenset({"Glm4MoeForCausalLM"})
+_QK_NORM_OVER_HEADS_DECODERS = frozenset({"MiniMaxM2ForCausalLM"})
+# GLM-4 and GLM-4.5: q/k/v biases (attention_bias) but none on o, and half the head rotary unless the config
+# says otherwise (transformers' default partial_rotary_factor); GLM-4 turns adjacent dims together.
+_GLM_DECODERS = frozenset({"Glm4ForCausalLM", "Glm4MoeForCausalLM"})
+_INTERLEAVED_ROPE_DECODERS = frozenset({"Glm4ForCausalLM"})
 # Architectures with a learned attention sink logit per head.
 _SINK_DECODERS = frozenset({"GptOssForCausalLM"})
 # Architectures whose sliding_window, without layer_types, applies to every layer (transformers' Mistral).
@@ -244,6 +267,22 @@ def _rope_theta(cfg: dict) -> float:
     # transformers 5 nests it under rope_parameters.
     params = cfg.get("rope_parameters") or {}
     return params.get("rope_theta", 10000.0)
+
+
+def _rotary_dim(architecture: str, cfg: dict, head_dim: int) -> int:
+    """The rotary dims of each head: MiniMax-M2's rotary_dim, or head_dim x partial_rotary_factor (top level
+    or in rope_parameters, as transformers 5 writes it); 0 where all of head_dim turns."""
+    if cfg.get("rotary_dim"):
+        rotary_dim = int(cfg["rotary_dim"])
+    else:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor")
+        if factor is None:
+            factor = 0.5 if architecture in _GLM_DECODERS else 1.0
+        rotary_dim = int(head_dim * float(factor))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary dims {rotary_dim} must be even and within the head's {head_dim}")
+    return 0 if rotary_dim == head_dim else rotary_dim
 
 
 def _mrope_section(cfg: dict) -> tuple[int, ...]:
