@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
+from serval.runner import runner as runner_module
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
@@ -102,13 +103,21 @@ def test_gguf_matches_transformers(tiny_model_factory, tmp_path, family):
 )
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_packed_experts_run_natively_and_agree_with_the_pytorch_path(
-    tiny_model_factory, tmp_path, family, qtype
+    tiny_model_factory, tmp_path, family, qtype, monkeypatch
 ):
+    # fp32 compute (`auto` on a CPU without native bf16): both paths then differ only in x's rounding to
+    # int16 per block inside the kernel (2^-15 of its largest value).
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
 
     _, reference = tiny_model_factory(family, False)
     path = str(tmp_path / f"{family}-{qtype.name}.gguf")
-    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), qtype)
+
+    def router_f32(name: str) -> GGMLQuantizationType:  # as llama.cpp's converter keeps the routers
+        return GGMLQuantizationType.F32 if ".ffn_gate_inp." in name else qtype
+
+    write_gguf_from_state_dict(path, reference.config.to_dict(), reference.state_dict(), router_f32)
     engine = _packed_engine(path)
     if engine.runner.kernel_variant == "none":
         pytest.skip("no native kernels on this machine")
@@ -118,7 +127,7 @@ def test_packed_experts_run_natively_and_agree_with_the_pytorch_path(
     torch.manual_seed(0)
     for moe in sparse:
         for num_tokens in (1, 5, 33):
-            x = torch.randn(num_tokens, reference.config.hidden_size, dtype=moe.gate.weight.dtype)
+            x = torch.randn(num_tokens, reference.config.hidden_size)
             ids, weights = moe.route(x)
             exact = moe.experts_reference(x, ids, weights)
             if moe.shared_experts is not None:
@@ -145,3 +154,32 @@ def test_batched_equals_alone(tiny_model_factory, tmp_path, family):
     together = _greedy(_packed_engine(path), PROMPTS, max_tokens=10)
     alone = [_greedy(_packed_engine(path), [prompt], max_tokens=10)[0] for prompt in PROMPTS]
     assert together == alone
+
+
+def test_gguf_names_of_the_families():
+    from serval.runner.loader.gguf_names import hf_tensor_name
+
+    layer = "model.layers.3"
+    assert hf_tensor_name("blk.3.ffn_up.weight", "glm4") == f"{layer}.mlp.gate_up_proj.weight"
+    assert hf_tensor_name("blk.3.ffn_up.weight", "glm4moe") == f"{layer}.mlp.up_proj.weight"
+    assert (
+        hf_tensor_name("blk.3.post_attention_norm.weight", "glm4")
+        == f"{layer}.post_self_attn_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.3.post_ffw_norm.weight", "glm4") == f"{layer}.post_mlp_layernorm.weight"
+    assert (
+        hf_tensor_name("blk.3.post_attention_norm.weight", "glm4moe")
+        == f"{layer}.post_attention_layernorm.weight"
+    )
+    assert (
+        hf_tensor_name("blk.3.ffn_gate_shexp.weight", "glm4moe")
+        == f"{layer}.mlp.shared_experts.gate_proj.weight"
+    )
+    assert (
+        hf_tensor_name("blk.3.ffn_gate_shexp.weight", "qwen2moe")
+        == f"{layer}.mlp.shared_expert.gate_proj.weight"
+    )
+    assert (
+        hf_tensor_name("blk.3.exp_probs_b.bias", "minimax-m2") == f"{layer}.mlp.gate.e_score_correction_bias"
+    )
+    assert hf_tensor_name("blk.46.nextn.eh_proj.weight", "glm4moe") == "model.layers.46.eh_proj.weight"
