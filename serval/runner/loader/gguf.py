@@ -228,11 +228,18 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }
     config.update(moe)
+    config.update(_optional_config(reader, arch, tensor_names))
+    if num_nextn:
+        config["num_nextn_predict_layers"] = num_nextn
+    return config
+
+
+def _optional_config(reader: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """The config keys a file may or may not have: partial RoPE, q/k norms, padding, rope scaling, window."""
+    config: dict[str, Any] = {}
     rotary_dim = metadata_value(reader, f"{arch}.rope.dimension_count")
     if rotary_dim is not None:  # partial RoPE where smaller than the head
         config["rotary_dim"] = rotary_dim
-    if num_nextn:
-        config["num_nextn_predict_layers"] = num_nextn
     if "blk.0.attn_q_norm.weight" in tensor_names:  # GLM-4.5's q/k norms are optional (use_qk_norm)
         config["use_qk_norm"] = True
     pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
