@@ -1,4 +1,4 @@
-"""GLM-4 (Glm4ForCausalLM), GLM-4.5 (Glm4MoeForCausalLM) and MiniMax-M2 against transformers on tiny random
+"""GLM (GlmForCausalLM), ChatGLM3 (ChatGLMModel), GLM-4 (Glm4ForCausalLM), GLM-4.5 (Glm4MoeForCausalLM) and MiniMax-M2 against transformers on tiny random
 checkpoints, as safetensors and as llama.cpp's GGUF; the native expert kernel against the PyTorch path on the
 same packed weights; a sequence's greedy tokens alone and beside others."""
 
@@ -14,8 +14,9 @@ from serval.runner import runner as runner_module
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
-FAMILIES = ["glm4", "glm4_moe", "minimax_m2"]
+FAMILIES = ["glm", "glm4", "glm4_moe", "minimax_m2"]
 MOE_FAMILIES = ["glm4_moe", "minimax_m2"]
+GGUF_FAMILIES = ["glm4", "glm4_moe", "minimax_m2"]  # llama.cpp writes transformers' GLM as chatglm
 
 
 def _packed_engine(path: str, batch_activations: str = "float32") -> Engine:
@@ -84,7 +85,7 @@ def test_glm4_moe_skips_its_multi_token_prediction_layer(tiny_model_factory, tmp
     assert _max_error(_engine(str(tmp_path)), reference, PROMPTS[0]) < 1e-3
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_matches_transformers(tiny_model_factory, tmp_path, family):
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
@@ -142,7 +143,7 @@ def test_packed_experts_run_natively_and_agree_with_the_pytorch_path(
         assert (a - b).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_batched_equals_alone(tiny_model_factory, tmp_path, family):
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
@@ -183,3 +184,34 @@ def test_gguf_names_of_the_families():
         hf_tensor_name("blk.3.exp_probs_b.bias", "minimax-m2") == f"{layer}.mlp.gate.e_score_correction_bias"
     )
     assert hf_tensor_name("blk.46.nextn.eh_proj.weight", "glm4moe") == "model.layers.46.eh_proj.weight"
+
+
+@pytest.mark.parametrize("rope_ratio", [1.0, 50.0])  # ChatGLM3-6B's, and a 32k variant's larger base
+def test_chatglm3_directory_matches_transformers_glm(tmp_path, rope_ratio):
+    # THUDM's remote-code layout (tests/fixtures/tiny_chatglm.py); the oracle is transformers' GlmForCausalLM
+    # on the same weights, which computes ChatGLM3's block (that module's docstring says why).
+    from tests.fixtures.tiny_chatglm import write_tiny_chatglm
+
+    reference = write_tiny_chatglm(str(tmp_path), rope_ratio)
+    engine = _engine(str(tmp_path))
+    arch = engine.runner.arch
+    assert (arch.architecture, arch.num_kv_heads, arch.rope_dim, arch.rope_interleaved) == (
+        "ChatGLMModel",
+        2,
+        16,
+        True,
+    )
+    assert arch.rope_theta == 10000.0 * rope_ratio
+    for prompt in PROMPTS:
+        for end in (1, len(prompt)):
+            assert _max_error(engine, reference, prompt[:end]) < 1e-3
+    assert_greedy_matches(engine, reference, PROMPTS, max_tokens=10)
+
+
+def test_the_first_chatglm_is_refused():
+    from serval.runner.models.arch import ArchConfig
+
+    v1 = {"architectures": ["ChatGLMModel"], "model_type": "chatglm", "hidden_size": 4096, "num_layers": 28,
+          "num_attention_heads": 32, "vocab_size": 130528, "inner_hidden_size": 16384, "position_encoding_2d": True}  # fmt: skip
+    with pytest.raises(ValueError, match="ChatGLM-6B"):
+        ArchConfig.from_hf_config(v1)
