@@ -16,7 +16,7 @@ from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, 
 
 FAMILIES = ["glm", "glm4", "glm4_moe", "minimax_m2"]
 MOE_FAMILIES = ["glm4_moe", "minimax_m2"]
-GGUF_FAMILIES = ["glm4", "glm4_moe", "minimax_m2"]  # llama.cpp writes transformers' GLM as chatglm
+GGUF_FAMILIES = FAMILIES  # llama.cpp's glm4, glm4moe, minimax-m2, and chatglm for transformers' GLM
 
 
 def _packed_engine(path: str, batch_activations: str = "float32") -> Engine:
@@ -215,3 +215,23 @@ def test_the_first_chatglm_is_refused():
           "num_attention_heads": 32, "vocab_size": 130528, "inner_hidden_size": 16384, "position_encoding_2d": True}  # fmt: skip
     with pytest.raises(ValueError, match="ChatGLM-6B"):
         ArchConfig.from_hf_config(v1)
+
+
+def test_chatglm3_gguf_with_fused_qkv_matches_transformers_glm(tmp_path):
+    # llama.cpp's ChatGLM3 files keep query_key_value fused (blk.N.attn_qkv): served as ChatGLMModel.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+    from tests.fixtures.tiny_chatglm import write_tiny_chatglm
+
+    reference = write_tiny_chatglm(str(tmp_path / "hf"), rope_ratio=50.0)
+    state = dict(reference.state_dict())
+    for i in range(reference.config.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        for kind in ("weight", "bias"):
+            state[f"{attn}qkv_proj.{kind}"] = torch.cat([state.pop(f"{attn}{p}_proj.{kind}") for p in "qkv"])
+    path = str(tmp_path / "chatglm3.gguf")
+    write_gguf_from_state_dict(path, reference.config.to_dict(), state)
+    engine = _engine(path)
+    assert engine.runner.arch.architecture == "ChatGLMModel" and engine.runner.arch.attention_bias
+    for prompt in PROMPTS:
+        assert _max_error(engine, reference, prompt) < 1e-3
+    assert_greedy_matches(engine, reference, PROMPTS[:2], max_tokens=8)

@@ -41,12 +41,16 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
         "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
         "glm4": ("Glm4ForCausalLM", "glm4"),
+        # transformers' GLM (GLM-4-9B-chat-hf); with q/k/v fused (attn_qkv), THUDM's ChatGLM2/3: _CHATGLM
+        "chatglm": ("GlmForCausalLM", "glm"),
         "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
         "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2"),
     }
 )
 # llama.cpp writes Mixtral as llama with experts.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# ChatGLM2/3's files keep its fused q/k/v (blk.N.attn_qkv); model_type glm: the keys below are transformers'.
+_CHATGLM = ("ChatGLMModel", "glm")
 # Whether the routing weights are renormalized over the chosen experts when the file has no
 # {arch}.expert_weights_norm (llama.cpp's defaults per architecture).
 _RENORMALIZES_BY_DEFAULT = MappingProxyType({"llama": True, "qwen2moe": False, "qwen3moe": True})
@@ -202,7 +206,11 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
     num_nextn = metadata_value(reader, f"{arch}.nextn_predict_layers", 0)
     num_layers = required("block_count") - num_nextn
     moe = _moe_config(reader, arch, num_layers, tensor_names)
-    class_name, model_type = _MIXTRAL if arch == "llama" and moe else _ARCHITECTURES[arch]
+    class_name, model_type = _ARCHITECTURES[arch]
+    if arch == "llama" and moe:
+        class_name, model_type = _MIXTRAL
+    elif arch == "chatglm" and "blk.0.attn_qkv.weight" in tensor_names:
+        class_name, model_type = _CHATGLM
     feed_forward = metadata_value(reader, f"{arch}.feed_forward_length")
     if feed_forward is None and not moe:
         raise ValueError(f"GGUF metadata has no {arch}.feed_forward_length")
@@ -223,7 +231,9 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "vocab_size": vocab_size,
         # llama.cpp writes output.weight only when the head is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names or "blk.0.attn_output.bias" in tensor_names,
+        "attention_bias": bool(
+            {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias", "blk.0.attn_output.bias"} & tensor_names
+        ),
         "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }

@@ -50,6 +50,8 @@ _ARCH_LAYER_NAMES: MappingProxyType[str, dict[str, str]] = MappingProxyType(
             "post_ffw_norm": "post_mlp_layernorm",
             "ffn_up": "mlp.gate_up_proj",
         },
+        # ChatGLM's fused q/k/v goes to our own fused matrix (ChatGlmForCausalLM takes it whole)
+        "chatglm": {"ffn_up": "mlp.gate_up_proj", "attn_qkv": "self_attn.qkv_proj"},
         "glm4moe": {
             "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
             "ffn_up_shexp": "mlp.shared_experts.up_proj",

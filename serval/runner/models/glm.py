@@ -84,6 +84,8 @@ class ChatGlmForCausalLM(GlmForCausalLM):
     """THUDM's ChatGLM2/3 (and GLM-4-9B-chat's remote-code form): GLM under ChatGLM's names, with q/k/v fused."""
 
     def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
+        if not hf_name.startswith("transformer."):  # a GGUF file's: transformers' names, q/k/v fused
+            return super().weight_target(hf_name)
         if hf_name == "transformer.rotary_pos_emb.inv_freq":
             return None  # recomputed from the config
         if hf_name in _CHATGLM_GLOBAL:
