@@ -235,3 +235,37 @@ def test_chatglm3_gguf_with_fused_qkv_matches_transformers_glm(tmp_path):
     for prompt in PROMPTS:
         assert _max_error(engine, reference, prompt) < 1e-3
     assert_greedy_matches(engine, reference, PROMPTS[:2], max_tokens=8)
+
+
+def test_glm4_moe_gguf_passes_over_its_multi_token_prediction_layer(tiny_model_factory, tmp_path):
+    # llama.cpp's GLM-4.5 files count the MTP layer in block_count (nextn_predict_layers) and hold a whole
+    # decoder layer for it plus blk.N.nextn.* tensors: dense or packed, the model loads past them.
+    from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+
+    _, reference = tiny_model_factory("glm4_moe", False)
+    state = dict(reference.state_dict())
+    last = reference.config.num_hidden_layers - 1
+    mtp = reference.config.num_hidden_layers
+    for name, tensor in list(state.items()):
+        if name.startswith(f"model.layers.{last}."):
+            state[name.replace(f"layers.{last}.", f"layers.{mtp}.")] = tensor.clone()
+    hidden = reference.config.hidden_size
+    state |= {
+        f"model.layers.{mtp}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+        f"model.layers.{mtp}.enorm.weight": torch.ones(hidden),
+        f"model.layers.{mtp}.hnorm.weight": torch.ones(hidden),
+        f"model.layers.{mtp}.shared_head.norm.weight": torch.ones(hidden),
+    }
+    f32, q8 = str(tmp_path / "mtp-f32.gguf"), str(tmp_path / "mtp-q8.gguf")
+    write_gguf_from_state_dict(f32, reference.config.to_dict(), state)
+    write_gguf_from_state_dict(
+        q8, reference.config.to_dict(), state,
+        lambda name: GGMLQuantizationType.F32 if ".ffn_gate_inp." in name else GGMLQuantizationType.Q8_0,
+    )  # fmt: skip
+    dense = _engine(f32)
+    assert dense.runner.arch.num_layers == reference.config.num_hidden_layers
+    for prompt in PROMPTS:
+        assert _max_error(dense, reference, prompt) < 1e-3
+    packed = _packed_engine(q8)
+    for prompt in PROMPTS:
+        assert (_serval_logits(packed, prompt) - _serval_logits(dense, prompt)).abs().max().item() < 3e-2
