@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-# architecture name -> (module, class). Mistral, Qwen, gpt-oss and the MoE forms differ from Llama only in
-# ArchConfig.
+# architecture name -> (module, class). Mistral, Qwen, gpt-oss, MiniMax-M2 and the MoE forms differ from Llama
+# only in ArchConfig.
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
@@ -27,6 +27,12 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    # GLM's: the same decoder with partial RoPE, and GLM-4's extra norms (models/glm.py).
+    "GlmForCausalLM": ("serval.runner.models.glm", "GlmForCausalLM"),
+    "ChatGLMModel": ("serval.runner.models.glm", "ChatGlmForCausalLM"),  # THUDM's ChatGLM2/3 (remote code)
+    "Glm4ForCausalLM": ("serval.runner.models.glm", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("serval.runner.models.glm", "Glm4MoeForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serval.runner.models.qwen2_vl",
