@@ -194,57 +194,75 @@ class Engine:
             return []
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted)
-        batch = self._build_batch(scheduled)
+        batch, samplers = self._build_batch(scheduled)
         started = time.monotonic()
         sampled = self.runner.execute(batch)
         elapsed = time.monotonic() - started
-        return self._update(scheduled, batch, sampled, started, elapsed)
+        return self._update(scheduled, samplers, sampled, started, elapsed)
 
-    def _build_batch(self, scheduled: SchedulerOutput) -> Batch:
+    def _build_batch(self, scheduled: SchedulerOutput) -> tuple[Batch, list[tuple[Request, int]]]:
+        """The step's batch, and the requests that sample in it, each with how many of the sampler's rows
+        (in order) are its: one, or a speculating request's drafts + 1."""
         token_ids: list[int] = []
+        num_new_tokens: list[int] = []
+        num_computed_tokens: list[int] = []
+        sequences: list[Request] = []  # the batch's sequences' requests (a speculating one's several times)
         sample_indices: list[int] = []
         rows: list[SamplingRow] = []
-        num_logit_rows: list[int] = []  # stays empty unless someone speculates: one row each
-        for i, (request, num_new, num_computed) in enumerate(
-            zip(scheduled.requests, scheduled.num_new_tokens, scheduled.num_computed_tokens)
+        samplers: list[tuple[Request, int]] = []
+        for request, num_new, num_computed in zip(
+            scheduled.requests, scheduled.num_new_tokens, scheduled.num_computed_tokens
         ):
             drafts = request.draft_token_ids
-            if drafts:  # its last input, then the drafts: a row each, and one after the last draft
-                token_ids.extend(request.token_ids[num_computed:])
-                token_ids.extend(drafts)
-                sample_indices.append(i)
+            if drafts:
+                # Its next input and each draft as a decode sequence of its own, at consecutive positions
+                # over the same blocks: every row's K/V is written before any row attends, so row j sees the
+                # inputs before it, and the step stays a decode step (the fused path; the same bits as the
+                # tokens decoded one a step, since a row's numbers do not depend on its batch).
+                inputs = [request.token_ids[-1], *drafts]
+                for j, token_id in enumerate(inputs):
+                    sample_indices.append(len(sequences))
+                    sequences.append(request)
+                    token_ids.append(token_id)
+                    num_new_tokens.append(1)
+                    num_computed_tokens.append(num_computed + j)
                 rows.extend(draft_sampling_rows(request))
-                if not num_logit_rows:
-                    num_logit_rows = [1] * (len(sample_indices) - 1)
-                num_logit_rows.append(len(drafts) + 1)
+                samplers.append((request, len(inputs)))
                 continue
             token_ids.extend(request.token_ids[num_computed : num_computed + num_new])
             if num_computed + num_new == request.num_tokens:
-                sample_indices.append(i)
+                sample_indices.append(len(sequences))
                 rows.append(sampling_row(request))
-                if num_logit_rows:
-                    num_logit_rows.append(1)
+                samplers.append((request, 1))
+            sequences.append(request)
+            num_new_tokens.append(num_new)
+            num_computed_tokens.append(num_computed)
         lora_slots = []
-        if any(r.lora is not None for r in scheduled.requests):
-            lora_slots = [-1 if r.lora is None else r.lora.slot for r in scheduled.requests]
+        if any(r.lora is not None for r in sequences):
+            lora_slots = [-1 if r.lora is None else r.lora.slot for r in sequences]
         media = []
-        if any(r.media_prompt is not None for r in scheduled.requests):
-            media = [r.media_prompt for r in scheduled.requests]
-        return Batch(
+        if any(r.media_prompt is not None for r in sequences):
+            media = [r.media_prompt for r in sequences]
+        batch = Batch(
             token_ids=token_ids,
-            num_new_tokens=list(scheduled.num_new_tokens),
-            num_computed_tokens=list(scheduled.num_computed_tokens),
-            block_tables=self.scheduler.rows.step_tables(scheduled.requests),
+            num_new_tokens=num_new_tokens,
+            num_computed_tokens=num_computed_tokens,
+            block_tables=self.scheduler.rows.step_tables(sequences),
             sample_indices=sample_indices,
             sampling=rows,
             block_copies=self.block_manager.take_copies(),
             lora_slots=lora_slots,
             media=media,
-            num_logit_rows=num_logit_rows,
         )
+        return batch, samplers
 
     def _update(
-        self, scheduled: SchedulerOutput, batch: Batch, sampled: SamplerOutput, started: float, elapsed: float
+        self,
+        scheduled: SchedulerOutput,
+        samplers: list[tuple[Request, int]],
+        sampled: SamplerOutput,
+        started: float,
+        elapsed: float,
     ) -> list[RequestOutput]:
         now = time.monotonic()
         batch_size = len(scheduled.requests)
@@ -267,8 +285,7 @@ class Engine:
         outputs = []
         reported: dict[str, BeamSearchGroup] = {}
         end_row = 0
-        for seq_index, num_rows in zip(batch.sample_indices, batch.logit_row_counts()):
-            request = scheduled.requests[seq_index]
+        for request, num_rows in samplers:
             first_row, end_row = end_row, end_row + num_rows
             if request.beam_group is not None:
                 request.beam_group.report(request, sampled.top_logprobs[first_row])
