@@ -91,7 +91,9 @@ class ModelRunner:
             cache_config.kv_cache_memory_bytes
         )
         self.kv_caches = self._allocate_kv_cache()
-        self.attention_backend = select_attention_backend(self.device, kernels)
+        self.attention_backend = select_attention_backend(
+            self.device, kernels, model_config.attention_backend
+        )
         asked = model_config.batch_activations
         wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:

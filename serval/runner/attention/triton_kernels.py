@@ -1,0 +1,172 @@
+"""The Triton kernels of the CUDA attention backend (triton_paged.py): paged decode and varlen prefill.
+
+Both read the flat paged cache in place, (num_slots, num_kv_heads, head_dim) with slot = block * block_size +
+offset, a tile of BLOCK_N context positions per iteration of their key loop (each position's block looked up
+in the sequence's table, so a tile may span blocks of any size), and run an online softmax in fp32 (FlashAttention's
+rescaling), so no K/V is gathered into padded copies. Both take a sliding window (a query at position p sees
+keys p - window + 1 .. p; 0: its whole context) and per-head sink logits (gpt-oss: one more logit in each
+row's softmax, whose value is zero). The sink enters as the running maximum's and sum's starting values: a
+softmax over [sink, scores] is then exactly what the loop accumulates.
+
+They run on a GPU, and on CPU tensors under TRITON_INTERPRET=1 (set before this module is imported: the
+decorator picks the interpreter at import), which is how CI tests them against the SDPA reference.
+
+NOTE: tl.arange needs power-of-two lengths: head_dim is padded to HEAD_DIM_PADDED with masked lanes; the
+cache's block size is a plain argument (any size), since tiles are positions, not blocks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# A finite "minus infinity" for the running maximum: exp(-inf - (-inf)) would be NaN on a row that has
+# seen only masked keys so far (a padding row, or the blocks before a window's start).
+_NEG_LARGE = -1.0e30
+
+
+@triton.jit
+def _slots(table_ptr, key_pos, key_mask, block_size):
+    """(N,) int64 cache slots of context positions, through the sequence's block table (masked: slot 0)."""
+    block_ids = tl.load(table_ptr + key_pos // block_size, mask=key_mask, other=0).to(tl.int64)
+    return block_ids * block_size + key_pos % block_size
+
+
+@triton.jit
+def paged_decode_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, rows_ptr, sinks_ptr,
+    scale, window, block_size,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_cache_slot, stride_cache_head, stride_table,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """One program per (decoding sequence, KV head): the GROUP query heads that share the KV head attend to
+    its context together, so each cache block is read once per KV head, not once per query head."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.load(rows_ptr + seq)  # this sequence's row in the step's flat batch
+    context_len = tl.load(context_lens_ptr + seq)
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PADDED)  # (G,) the query heads of this KV head
+    head_mask = tl.arange(0, GROUP_PADDED) < GROUP
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + row * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # (G, D)
+
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=_NEG_LARGE).to(tl.float32)
+        l_i = tl.where(head_mask, 1.0, 0.0)  # exp(sink - m_i) with m_i = sink
+    else:
+        m_i = tl.full((GROUP_PADDED,), _NEG_LARGE, tl.float32)
+        l_i = tl.zeros((GROUP_PADDED,), tl.float32)
+    acc = tl.zeros((GROUP_PADDED, HEAD_DIM_PADDED), tl.float32)
+
+    first_key = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    offsets = tl.arange(0, BLOCK_N)
+    for tile in range(first_key // BLOCK_N, tl.cdiv(context_len, BLOCK_N)):
+        key_pos = tile * BLOCK_N + offsets  # (N,)
+        key_mask = (key_pos < context_len) & (key_pos >= first_key)
+        slots = _slots(block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size)
+        kv_offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        # NOTE: a broadcast product, not tl.dot: the group is often under tl.dot's 16 rows, and a decode is
+        # bound by reading the cache, not by these multiplies.
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, N)
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + row * stride_o_token + heads[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_mask[:, None] & dim_mask[None, :],
+    )
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_starts_ptr, query_lens_ptr,
+    context_lens_ptr, sinks_ptr,
+    scale, window, block_size,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_cache_slot, stride_cache_head, stride_table,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """One program per (prefilling sequence, block of BLOCK_M of its new tokens, query head). The new
+    tokens' K/V are already in the cache (write_new_kv), so a chunk after a cached prefix and a fresh
+    prompt are one case: queries at positions cached..context-1, causal over the whole context."""
+    seq = tl.program_id(0)
+    query_block = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    query_len = tl.load(query_lens_ptr + seq)
+    if query_block * BLOCK_M >= query_len:
+        return  # the grid is sized for the longest chunk of the step
+    query_start = tl.load(query_starts_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_cached = context_len - query_len
+
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,) indices among this sequence's new tokens
+    row_mask = rows < query_len
+    query_pos = num_cached + rows
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # (M, D)
+
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_i = tl.zeros((BLOCK_M,), tl.float32) + sink
+        l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), _NEG_LARGE, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
+
+    # The keys any row of this block may see: from the first row's window start to the last row's position.
+    end_key = tl.minimum(num_cached + query_block * BLOCK_M + BLOCK_M, context_len)
+    first_key = tl.where(window > 0, tl.maximum(num_cached + query_block * BLOCK_M - window + 1, 0), 0)
+    offsets = tl.arange(0, BLOCK_N)
+    for tile in range(first_key // BLOCK_N, tl.cdiv(end_key, BLOCK_N)):
+        key_pos = tile * BLOCK_N + offsets  # (N,)
+        key_mask = key_pos < end_key
+        slots = _slots(block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size)
+        kv_offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (N, D)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # (M, N)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
+        if window > 0:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+        m_i = m_new
+
+    # A padding row saw no key: its l_i is 0 (or 1 with a sink) and it is not stored.
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(
+        out_ptr + (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
