@@ -36,8 +36,13 @@ class ModelConfig:
     # the kernels built, triton on CUDA, sdpa otherwise); "sdpa", "native-cpu" or "triton" force one, and
     # start-up fails where it cannot run (tests force "triton" on the CPU under TRITON_INTERPRET=1).
     attention_backend: str = "auto"
+    # CUDA only: decode-only steps of up to this many sequences replay captured CUDA graphs
+    # (runner/decode_graphs.py); 0 runs every step eagerly. Ignored on the CPU.
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.attention_backend not in ("auto", "native-cpu", "sdpa", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, native-cpu, sdpa or triton, got {self.attention_backend!r}"

@@ -90,10 +90,13 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes
         )
-        self.kv_caches = self._allocate_kv_cache()
         self.attention_backend = select_attention_backend(
             self.device, kernels, model_config.attention_backend
         )
+        uses_graphs = self._can_use_decode_graphs(model_config, lora_config, tensor_parallel)
+        # A decode graph's padding rows write their K/V into one block past the engine's (decode_graphs.py).
+        self.kv_caches = self._allocate_kv_cache(num_spare_blocks=1 if uses_graphs else 0)
+        self.decode_graphs = self._make_decode_graphs(model_config) if uses_graphs else None
         asked = model_config.batch_activations
         wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:
@@ -264,9 +267,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes={budget_bytes} holds fewer than 2 KV blocks")
         return int(num_blocks)
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_spare_blocks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.arch
-        shape = (self.num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
+        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, a.num_kv_heads, a.head_dim)
         return [(self._zeros(shape), self._zeros(shape)) for _ in range(a.num_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -293,6 +296,29 @@ class ModelRunner:
             k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
             v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
 
+    def _can_use_decode_graphs(self, model_config: ModelConfig, lora_config, tensor_parallel) -> bool:
+        """CUDA graphs for decode: on CUDA with the Triton backend, for a dense text-only model on one process
+        (a mixture of experts routes on the host; adapters and media steps are not captured)."""
+        return (
+            self.device.type == "cuda"
+            and model_config.cuda_graph_max_batch > 0
+            and self.attention_backend.name == "triton"
+            and self.arch.moe is None
+            and not self.accepts_media
+            and not (lora_config is not None and lora_config.is_enabled)
+            and tensor_parallel is None
+        )
+
+    def _make_decode_graphs(self, model_config: ModelConfig):
+        from serval.runner.cuda_graph import CudaGraphCapture
+        from serval.runner.decode_graphs import DecodeGraphs
+
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, max_blocks_per_seq, model_config.cuda_graph_max_batch,
+            pad_block=self.num_blocks, device=self.device, capture=CudaGraphCapture(),
+        )  # fmt: skip
+
     def _step_attention(self, batch: Batch) -> StepAttention:
         layout = StepLayout(
             batch.num_new_tokens,
@@ -309,6 +335,10 @@ class ModelRunner:
         sampled sequences' rows (Batch.logit_rows: one each unless num_logit_rows asks for more)."""
         device = self.device
         self.copy_blocks(batch.block_copies)
+        if self.decode_graphs is not None:  # a decode-only step replays its bucket's graph (CUDA)
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
         media_rows = None
         if batch.media:  # a multimodal model's step with a media prompt in it (runner/media.py)
             position_ids, media_rows = media_step(
