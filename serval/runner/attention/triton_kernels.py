@@ -103,7 +103,7 @@ def paged_prefill_kernel(
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_slot, stride_cache_head, stride_table,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (prefilling sequence, block of BLOCK_M of its new tokens, query head). The new
     tokens' K/V are already in the cache (write_new_kv), so a chunk after a cached prefix and a fresh
@@ -151,7 +151,7 @@ def paged_prefill_kernel(
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (N, D)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # (M, N)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (M, N)
         visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
         if window > 0:
             visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
@@ -160,7 +160,7 @@ def paged_prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m_i = m_new
 
     # A padding row saw no key: its l_i is 0 (or 1 with a sink) and it is not stored.

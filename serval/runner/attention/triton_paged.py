@@ -153,7 +153,9 @@ def paged_prefill(q, k_cache, v_cache, p: TritonPrefills, block_size, scale, win
         _sink_arg(sinks, q), scale, window, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), p.block_tables.stride(0),
-        BLOCK_N=PREFILL_BLOCK_N, BLOCK_M=PREFILL_BLOCK_M, HAS_SINKS=sinks is not None, **shape,
+        BLOCK_N=PREFILL_BLOCK_N, BLOCK_M=PREFILL_BLOCK_M, HAS_SINKS=sinks is not None,
+        # fp32 products in fp32 (not TF32: the fp32 path is the exact one); 16-bit inputs take the default
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, **shape,
     )  # fmt: skip
 
 
