@@ -56,6 +56,12 @@ def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packa
     Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
     take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
+
+    Never on CUDA (no native kernels there): a GGUF's block formats are dequantized once, at load, tensor by
+    tensor, into the compute dtype (bf16 by default), the simple path: 2 bytes a weight on the GPU against
+    the file's 0.56 (Q4_0) to 1.06 (Q8_0), 3.6x a Q4 file (an 8B Q4_K_M: ~4.9 GB on disk, ~16 GB of bf16
+    weights), built in host memory and then moved, so the host also needs that much while loading
+    (docs/cuda.md).
     """
     if kernels is None:
         return False
