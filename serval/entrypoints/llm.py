@@ -77,9 +77,12 @@ class LLM:
         max_num_batched_tokens: int = 512,
         batch_activations: str = "auto",
         tensor_parallel_size: int = 1,
+        attention_backend: str = "auto",
+        cuda_graph_max_batch: int = ModelConfig.cuda_graph_max_batch,
     ):
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
-        close() stops them (else they stop when this process exits)."""
+        close() stops them (else they stop when this process exits). attention_backend,
+        cuda_graph_max_batch: ModelConfig's (docs/cuda.md)."""
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -88,6 +91,8 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 batch_activations=batch_activations,
+                attention_backend=attention_backend,
+                cuda_graph_max_batch=cuda_graph_max_batch,
             ),
             cache=CacheConfig(
                 block_size=block_size,
