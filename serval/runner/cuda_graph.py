@@ -1,7 +1,8 @@
-"""The CUDA-only part of decode graphs (decode_graphs.py): capturing one forward as a torch.cuda.CUDAGraph.
+"""The CUDA-only part of decode graphs (decode_graphs.py): when a runner uses them, and capturing one forward
+as a torch.cuda.CUDAGraph.
 
-Kept to this one function so that everything around it (buckets, static buffers, padding) runs and is tested
-on any device with `decode_graphs.replay_eagerly` in its place. Checked on a GPU by bench/gpu/.
+Kept to this so that everything around the capture (buckets, static buffers, padding) runs and is tested on
+any device with `decode_graphs.replay_eagerly` in its place. Checked on a GPU by bench/gpu/.
 """
 
 from __future__ import annotations
@@ -9,6 +10,30 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+def decode_graphs_for(runner, max_batch: int, lora_config, tensor_parallel):
+    """The runner's DecodeGraphs, or None where decode runs eagerly. Graphs are used on CUDA with the Triton
+    backend (its metadata is what the static buffers hold), up to max_batch sequences
+    (ModelConfig.cuda_graph_max_batch; 0: never), for a dense text-only model (a mixture of experts routes on
+    the host) in one process without LoRA adapters. Its padding rows use the block past the engine's."""
+    if not (
+        runner.device.type == "cuda"
+        and max_batch > 0
+        and runner.attention_backend.name == "triton"
+        and runner.arch.moe is None
+        and not runner.accepts_media
+        and tensor_parallel is None
+        and not (lora_config is not None and lora_config.is_enabled)
+    ):
+        return None
+    from serval.runner.decode_graphs import DecodeGraphs  # imports triton
+
+    max_blocks_per_seq = -(-runner.max_model_len // runner.block_size)
+    return DecodeGraphs(
+        runner.model, runner.kv_caches, runner.block_size, max_blocks_per_seq, max_batch,
+        pad_block=runner.num_blocks, device=runner.device, capture=CudaGraphCapture(),
+    )  # fmt: skip
 
 
 class CudaGraphCapture:

@@ -15,6 +15,7 @@ from serval.model_source import ModelSource
 from serval.runner.attention.backend import StepAttention, StepLayout
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
+from serval.runner.cuda_graph import decode_graphs_for
 from serval.runner.info import RunnerInfo
 from serval.runner.kernels import default_batch_activations, load_cpu_kernels
 from serval.runner.layers import use_native_kernels
@@ -57,11 +58,8 @@ def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packa
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
     take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
 
-    Never on CUDA (no native kernels there): a GGUF's block formats are dequantized once, at load, tensor by
-    tensor, into the compute dtype (bf16 by default), the simple path: 2 bytes a weight on the GPU against
-    the file's 0.56 (Q4_0) to 1.06 (Q8_0), 3.6x a Q4 file (an 8B Q4_K_M: ~4.9 GB on disk, ~16 GB of bf16
-    weights), built in host memory and then moved, so the host also needs that much while loading
-    (docs/cuda.md).
+    Never on CUDA (no native kernels there): block formats are dequantized once at load into the compute
+    dtype, 2 bytes a weight in bf16, 3.6x a Q4 file (docs/cuda.md, "GGUF on CUDA: the memory cost").
     """
     if kernels is None:
         return False
@@ -99,10 +97,11 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(
             self.device, kernels, model_config.attention_backend
         )
-        uses_graphs = self._can_use_decode_graphs(model_config, lora_config, tensor_parallel)
-        # A decode graph's padding rows write their K/V into one block past the engine's (decode_graphs.py).
-        self.kv_caches = self._allocate_kv_cache(num_spare_blocks=1 if uses_graphs else 0)
-        self.decode_graphs = self._make_decode_graphs(model_config) if uses_graphs else None
+        # On CUDA one KV block past the engine's takes decode graphs' padding rows (decode_graphs.py).
+        self.kv_caches = self._allocate_kv_cache(num_spare_blocks=int(self.device.type == "cuda"))
+        self.decode_graphs = decode_graphs_for(
+            self, model_config.cuda_graph_max_batch, lora_config, tensor_parallel
+        )
         asked = model_config.batch_activations
         wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:
@@ -301,29 +300,6 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
             v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
-
-    def _can_use_decode_graphs(self, model_config: ModelConfig, lora_config, tensor_parallel) -> bool:
-        """CUDA graphs for decode: on CUDA with the Triton backend, for a dense text-only model on one process
-        (a mixture of experts routes on the host; adapters and media steps are not captured)."""
-        return (
-            self.device.type == "cuda"
-            and model_config.cuda_graph_max_batch > 0
-            and self.attention_backend.name == "triton"
-            and self.arch.moe is None
-            and not self.accepts_media
-            and not (lora_config is not None and lora_config.is_enabled)
-            and tensor_parallel is None
-        )
-
-    def _make_decode_graphs(self, model_config: ModelConfig):
-        from serval.runner.cuda_graph import CudaGraphCapture
-        from serval.runner.decode_graphs import DecodeGraphs
-
-        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(
-            self.model, self.kv_caches, self.block_size, max_blocks_per_seq, model_config.cuda_graph_max_batch,
-            pad_block=self.num_blocks, device=self.device, capture=CudaGraphCapture(),
-        )  # fmt: skip
 
     def _step_attention(self, batch: Batch) -> StepAttention:
         layout = StepLayout(

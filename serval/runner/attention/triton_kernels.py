@@ -2,14 +2,15 @@
 
 Both read the flat paged cache in place, (num_slots, num_kv_heads, head_dim) with slot = block * block_size +
 offset, a tile of BLOCK_N context positions per iteration of their key loop (each position's block looked up
-in the sequence's table, so a tile may span blocks of any size), and run an online softmax in fp32 (FlashAttention's
-rescaling), so no K/V is gathered into padded copies. Both take a sliding window (a query at position p sees
-keys p - window + 1 .. p; 0: its whole context) and per-head sink logits (gpt-oss: one more logit in each
-row's softmax, whose value is zero). The sink enters as the running maximum's and sum's starting values: a
-softmax over [sink, scores] is then exactly what the loop accumulates.
+in the sequence's table, so a tile may span blocks of any size), and run an online softmax in fp32
+(FlashAttention's rescaling), so no K/V is gathered into padded copies. Both take a sliding window (a query
+at position p sees keys p - window + 1 .. p; 0: its whole context) and per-head sink logits (gpt-oss: one
+more logit in each row's softmax, whose value is zero). The sink enters as the running maximum's and sum's
+starting values: a softmax over [sink, scores] is then exactly what the loop accumulates.
 
-They run on a GPU, and on CPU tensors under TRITON_INTERPRET=1 (set before this module is imported: the
-decorator picks the interpreter at import), which is how CI tests them against the SDPA reference.
+They run on a GPU, and on CPU tensors under TRITON_INTERPRET=1 (set before triton is first imported: its
+decorator picks the interpreter then), which is how CI tests them against the SDPA reference, in fp32 (the
+interpreter computes tl.dot over bf16 wrongly).
 
 NOTE: tl.arange needs power-of-two lengths: head_dim is padded to HEAD_DIM_PADDED with masked lanes; the
 cache's block size is a plain argument (any size), since tiles are positions, not blocks.
@@ -20,16 +21,49 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# A finite "minus infinity" for the running maximum: exp(-inf - (-inf)) would be NaN on a row that has
-# seen only masked keys so far (a padding row, or the blocks before a window's start).
-_NEG_LARGE = -1.0e30
+# A finite "minus infinity" for the running maximum: exp(-inf - (-inf)) would be NaN on a row that has seen
+# only masked keys so far (a padding row, or the tiles before a window's start). A constexpr: a jitted
+# function may read no other kind of global.
+_NEG_LARGE = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _slots(table_ptr, key_pos, key_mask, block_size):
-    """(N,) int64 cache slots of context positions, through the sequence's block table (masked: slot 0)."""
+def _load_tile(
+    k_cache_ptr, v_cache_ptr, table_ptr, key_pos, key_mask, block_size, kv_head, dims, dim_mask,
+    stride_cache_slot, stride_cache_head,
+):  # fmt: skip
+    """(N, D) K and V of one KV head at context positions key_pos, through the sequence's block table
+    (table_ptr: its row); masked positions read as zeros."""
     block_ids = tl.load(table_ptr + key_pos // block_size, mask=key_mask, other=0).to(tl.int64)
-    return block_ids * block_size + key_pos % block_size
+    slots = block_ids * block_size + key_pos % block_size
+    offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+    mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_start(sinks_ptr, heads, head_mask, NUM_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The running maximum and sum of NUM_ROWS rows (of query heads `heads`) before any key: with sinks, the
+    sink's logit and exp(0) = 1, so that the loop computes the softmax over [sink, scores]; else -inf, 0."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=_NEG_LARGE).to(tl.float32)
+        l_i = tl.where(head_mask, 1.0, 0.0)
+    else:
+        m_i = tl.full((NUM_ROWS,), _NEG_LARGE, tl.float32)
+        l_i = tl.zeros((NUM_ROWS,), tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _online_softmax(scores, m_i, l_i):
+    """One tile of the online softmax over (rows, N) masked scores: (p, alpha, new maximum, new sum); the
+    caller rescales its accumulator by alpha before adding p's products."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -42,7 +76,7 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """One program per (decoding sequence, KV head): the GROUP query heads that share the KV head attend to
-    its context together, so each cache block is read once per KV head, not once per query head."""
+    its context together, so each cache tile is read once per KV head, not once per query head."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.load(rows_ptr + seq)  # this sequence's row in the step's flat batch
@@ -52,18 +86,10 @@ def paged_decode_kernel(
     head_mask = tl.arange(0, GROUP_PADDED) < GROUP
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + row * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-        mask=head_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)  # (G, D)
-
-    if HAS_SINKS:
-        m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=_NEG_LARGE).to(tl.float32)
-        l_i = tl.where(head_mask, 1.0, 0.0)  # exp(sink - m_i) with m_i = sink
-    else:
-        m_i = tl.full((GROUP_PADDED,), _NEG_LARGE, tl.float32)
-        l_i = tl.zeros((GROUP_PADDED,), tl.float32)
+    q_offsets = row * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # (G, D)
+    m_i, l_i = _softmax_start(sinks_ptr, heads, head_mask, GROUP_PADDED, HAS_SINKS)
     acc = tl.zeros((GROUP_PADDED, HEAD_DIM_PADDED), tl.float32)
 
     first_key = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
@@ -71,28 +97,18 @@ def paged_decode_kernel(
     for tile in range(first_key // BLOCK_N, tl.cdiv(context_len, BLOCK_N)):
         key_pos = tile * BLOCK_N + offsets  # (N,)
         key_mask = (key_pos < context_len) & (key_pos >= first_key)
-        slots = _slots(block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size)
-        kv_offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _load_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size,
+            kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head,
+        )  # fmt: skip
         # NOTE: a broadcast product, not tl.dot: the group is often under tl.dot's 16 rows, and a decode is
         # bound by reading the cache, not by these multiplies.
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, N)
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # (G, N)
+        p, alpha, m_i, l_i = _online_softmax(tl.where(key_mask[None, :], scores, float("-inf")), m_i, l_i)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + row * stride_o_token + heads[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=head_mask[:, None] & dim_mask[None, :],
-    )
+    o_offsets = row * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -124,19 +140,11 @@ def paged_prefill_kernel(
     query_pos = num_cached + rows
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )  # (M, D)
-
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
-        m_i = tl.zeros((BLOCK_M,), tl.float32) + sink
-        l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
-    else:
-        m_i = tl.full((BLOCK_M,), _NEG_LARGE, tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
+    q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :]
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)  # (M, D)
+    # Every row is this head: its sink (if any) starts each row's softmax.
+    m_i, l_i = _softmax_start(sinks_ptr, head + 0 * rows, rows >= 0, BLOCK_M, HAS_SINKS)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
 
     # The keys any row of this block may see: from the first row's window start to the last row's position.
@@ -145,28 +153,18 @@ def paged_prefill_kernel(
     offsets = tl.arange(0, BLOCK_N)
     for tile in range(first_key // BLOCK_N, tl.cdiv(end_key, BLOCK_N)):
         key_pos = tile * BLOCK_N + offsets  # (N,)
-        key_mask = key_pos < end_key
-        slots = _slots(block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size)
-        kv_offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (N, D)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k, v = _load_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, key_pos, key_pos < end_key,
+            block_size, kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head,
+        )  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (M, N)
         visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
         if window > 0:
             visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax(tl.where(visible, scores, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-        m_i = m_new
 
-    # A padding row saw no key: its l_i is 0 (or 1 with a sink) and it is not stored.
+    # A padding row saw no key: its sum is 0 (or 1 with a sink), and it is not stored.
+    o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + dims[None, :]
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(
-        out_ptr + (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
