@@ -137,14 +137,22 @@ class DecodeGraphs:
         if bucket is None or tables.shape[1] > self.block_tables.shape[1]:
             return None
         if bucket not in self.replays:
-            # Captured over padding only, before this step's inputs are in the buffers: the capture's warm-up
-            # run then writes K/V into pad_block alone.
+            # Captured over padding only: the capture's own runs write K/V, and rows left from an earlier
+            # step of a wider bucket would write theirs into blocks that may have changed hands since.
+            self._fill_padding(bucket)
             self.replays[bucket] = self.capture(self._forward(bucket))
         padded = padded_decode_inputs(
             batch.token_ids, batch.num_computed_tokens, tables, self.block_size, bucket, self.pad_block
         )
         self._fill(padded)
         return self.replays[bucket]()[: batch.num_seqs]
+
+    def _fill_padding(self, bucket: int) -> None:
+        self.input_ids[:bucket].zero_()
+        self.positions[:bucket].zero_()
+        self.slot_mapping[:bucket].fill_(self.pad_block * self.block_size)
+        self.block_tables[:bucket].fill_(self.pad_block)
+        self.context_lens[:bucket].fill_(1)
 
     def _fill(self, padded: PaddedDecode) -> None:
         bucket, width = padded.block_tables.shape

@@ -79,7 +79,12 @@ def test_replayed_decode_steps_match_the_eager_runner(runner):
     captured: list[int] = []
 
     def capture(run):
-        captured.append(1)
+        # What a capture may read: padding only (its own runs write K/V), never rows an earlier step of a
+        # wider bucket left.
+        bucket = run().shape[0]  # as CUDA's capture does: a warm-up run, then the recorded one
+        assert (graphs.slot_mapping[:bucket] == PAD_BLOCK * BLOCK_SIZE).all()
+        assert (graphs.context_lens[:bucket] == 1).all() and (graphs.block_tables[:bucket] == PAD_BLOCK).all()
+        captured.append(bucket)
         return replay_eagerly(run)
 
     graphs = DecodeGraphs(
@@ -112,5 +117,5 @@ def test_replayed_decode_steps_match_the_eager_runner(runner):
             assert torch.allclose(k[real_slots], k_e[real_slots], atol=1e-5)
             assert torch.allclose(v[real_slots], v_e[real_slots], atol=1e-5)
         positions[:num_seqs] = [p + 1 for p in positions[:num_seqs]]
-    assert len(captured) == 3  # one capture per bucket, the second 5-sequence step replayed bucket 8
+    assert captured == [8, 4, 1]  # one capture per bucket: the second 5-sequence step replayed bucket 8
     assert graphs.run(Batch([1, 2, 3], [2, 1], [0, 5], [[0], [1, 2]], [0, 1], [SamplingRow()] * 2)) is None
