@@ -43,11 +43,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, weight_formats: tuple[str, ...] = ()) -> torch.dtype:
+    """auto: on CUDA the checkpoint's 16-bit type as stored (fp16 where most weights are F16, else bf16)."""
     if name == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        if device.type == "cuda":
+            return torch.float16 if weight_formats[:1] == ("F16",) else torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -57,7 +58,6 @@ def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packa
     Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
     take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
-
     Never on CUDA (no native kernels there): block formats are dequantized once at load into the compute
     dtype, 2 bytes a weight in bf16, 3.6x a Q4 file (docs/cuda.md, "GGUF on CUDA: the memory cost").
     """
@@ -85,7 +85,7 @@ class ModelRunner:
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.kernel_variant = "none" if kernels is None else kernels.variant
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device, self.weight_formats)
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )

@@ -1,6 +1,7 @@
-"""The GGUF path CUDA takes (no native kernels there): block-quantized matrices dequantized once at load into
-the bf16 compute dtype, dense, exactly the file's values rounded to bf16; 2 bytes a weight (docs/cuda.md).
-Run on the CPU with the native kernels disabled, the same decision (runner.keeps_packed_weights)."""
+"""Weights on CUDA, decided without a GPU (docs/cuda.md): `auto` computes in the checkpoint's 16-bit type as
+stored; a GGUF's block-quantized matrices are dequantized once at load into the bf16 compute dtype, dense,
+exactly the file's values rounded to bf16, 2 bytes a weight (run on the CPU with the native kernels disabled:
+the same decision, runner.keeps_packed_weights)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.layers import Linear
 from serval.runner.loader.gguf import iter_gguf_weights
-from serval.runner.runner import keeps_packed_weights
+from serval.runner.runner import keeps_packed_weights, resolve_dtype
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 from tests.fixtures.tiny_models import tiny_config
+
+
+def test_auto_dtype_on_cuda_keeps_the_stored_16_bit_type():
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", cuda, ("F16", "F32")) == torch.float16
+    assert resolve_dtype("auto", cuda, ("BF16",)) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, ("F32",)) == torch.bfloat16  # fp32 checkpoints compute in bf16
+    assert resolve_dtype("auto", cuda, ("Q4_K", "Q6_K")) == torch.bfloat16  # dequantized GGUF blocks
+    assert resolve_dtype("float32", cuda, ("F16",)) == torch.float32  # asked for
 
 
 def test_without_kernels_nothing_stays_packed():
