@@ -11,6 +11,7 @@ each reporting its own error without stopping the rest (`--only` picks):
   ignored), per shape (Llama-3.2-1B and Llama-3.1-8B layers over SmolLM2's 49152-token vocabulary);
 - hf: the same for transformers' generate on the same weights;
 - profile: one decode step's GPU-busy share (kernel time over wall time, from the torch profiler);
+- eager: the first shape's offline runs at batch 1 and 64 without decode graphs (cuda_graph_max_batch=0);
 - http: `serval serve` on the first shape, streamed chat at concurrency 1 and 64 (bench/serve.py).
 
 The models are made here, not read from a hub: transformers' random init (a fixed seed, wider than its
@@ -175,14 +176,14 @@ def fidelity(args) -> None:
         release(args.device)
 
 
-def offline(llm, shape_name: str, args, started: float) -> None:
+def offline(llm, shape_name: str, args, started: float, batch_sizes=None, check="offline") -> None:
     from serval import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for batch in args.batch_sizes:
+    for batch in batch_sizes or args.batch_sizes:
         if time.perf_counter() - started > args.budget:
-            emit(check="offline", shape=shape_name, batch=batch, skipped="over the time budget")
+            emit(check=check, shape=shape_name, batch=batch, skipped="over the time budget")
             continue
         prompts = [{"prompt_token_ids": p} for p in random_prompts(batch, args.prompt_tokens, seed=batch)]
         llm.generate(prompts, warm)  # compiles the kernels and captures this batch's graph bucket
@@ -192,7 +193,7 @@ def offline(llm, shape_name: str, args, started: float) -> None:
         synchronize(args.device)
         seconds = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        emit(check="offline", shape=shape_name, batch=batch, out_tokens=tokens, seconds=round(seconds, 3),
+        emit(check=check, shape=shape_name, batch=batch, out_tokens=tokens, seconds=round(seconds, 3),
              tok_s=round(tokens / seconds, 1), **describe(llm))  # fmt: skip
 
 
@@ -310,18 +311,22 @@ def run_shape(shape_name: str, is_first: bool, args, started: float) -> None:
         section("hf", hf_generate, model, shape_name, args, started)
     del model
     release(args.device)
-    if not ({"offline", "profile", "http"} & sections):
-        return
-    t = time.perf_counter()
-    llm = serval_llm(directory, "bfloat16", args)
-    emit(check="load", shape=shape_name, seconds=round(time.perf_counter() - t, 2),
-         gpu_gb=round(torch.cuda.memory_allocated() / 1e9, 2) if args.device.startswith("cuda") else None)  # fmt: skip
-    if "offline" in sections:
-        section("offline", offline, llm, shape_name, args, started)
-    if "profile" in sections:
-        section("profile", profile_decode, llm, shape_name, args)
-    del llm
-    release(args.device)
+    if {"offline", "profile"} & sections:
+        t = time.perf_counter()
+        llm = serval_llm(directory, "bfloat16", args)
+        emit(check="load", shape=shape_name, seconds=round(time.perf_counter() - t, 2),
+             gpu_gb=round(torch.cuda.memory_allocated() / 1e9, 2) if args.device.startswith("cuda") else None)  # fmt: skip
+        if "offline" in sections:
+            section("offline", offline, llm, shape_name, args, started)
+        if "profile" in sections:
+            section("profile", profile_decode, llm, shape_name, args)
+        del llm
+        release(args.device)
+    if "eager" in sections and is_first:  # the same without decode graphs: what they are worth
+        eager = serval_llm(directory, "bfloat16", args, cuda_graph_max_batch=0)
+        section("eager", offline, eager, shape_name, args, started, [1, 64], "eager")
+        del eager
+        release(args.device)
     if "http" in sections and is_first:
         section("http", http, directory, args)
 
@@ -353,7 +358,7 @@ def main() -> None:
     p.add_argument("--http-timeout", type=float, default=120)
     p.add_argument("--kv-cache-bytes", type=int, default=16 << 30)
     p.add_argument("--budget", type=float, default=330, help="seconds after which timed runs are skipped")
-    p.add_argument("--only", default="kernels,fidelity,offline,hf,profile,http")
+    p.add_argument("--only", default="kernels,fidelity,offline,hf,profile,eager,http")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
