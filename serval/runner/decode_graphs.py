@@ -8,7 +8,7 @@ that fits. Rows past the step's sequences are padding: token 0 at position 0, a 
 block the engine never hands out (`pad_block`), so they write and read only that block. Prefill and mixed
 steps, LoRA and media steps, and batches past the largest bucket run eagerly.
 
-What is CUDA-only is the capture itself (cuda_graph.py: `capture_cuda_graph`), passed in as `capture`; with
+What is CUDA-only is the capture itself (cuda_graph.py: `CudaGraphCapture`), passed in as `capture`; with
 `replay_eagerly` the same buffers and padding run on any device, which is how the CPU tests check all of
 this module against the eager path (under Triton's interpreter).
 
