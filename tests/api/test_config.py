@@ -219,3 +219,14 @@ def test_media_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
         ServerConfig(allowed_media_domains=("http://x.org",))
     with pytest.raises(ValueError, match="max_concurrent_media_fetches"):
         ServerConfig(max_concurrent_media_fetches=0)
+
+
+def test_attention_backend_and_cuda_graph_flags_reach_the_model_config():
+    def model_config(*argv: str):
+        return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).model
+
+    assert (model_config().attention_backend, model_config().cuda_graph_max_batch) == ("auto", 256)
+    chosen = model_config("--attention-backend", "triton", "--cuda-graph-max-batch", "0")
+    assert (chosen.attention_backend, chosen.cuda_graph_max_batch) == ("triton", 0)
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        model_config("--cuda-graph-max-batch", "-1")
