@@ -100,6 +100,7 @@ def describe(llm) -> dict:
         "attention_backend": runner.attention_backend.name,
         "compute_dtype": str(runner.dtype).removeprefix("torch."),
         "graph_buckets_captured": None if graphs is None else sorted(graphs.replays),
+        "graph_capture_error": None if graphs is None else graphs.capture_error,
     }
 
 

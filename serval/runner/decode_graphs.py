@@ -6,7 +6,8 @@ multiples of 16), the model's forward is captured once over static device buffer
 slots, block tables, context lengths), and each step copies its inputs into them and replays the bucket
 that fits. Rows past the step's sequences are padding: token 0 at position 0, a context of one token in a
 block the engine never hands out (`pad_block`), so they write and read only that block. Prefill and mixed
-steps, LoRA and media steps, and batches past the largest bucket run eagerly.
+steps, LoRA and media steps, and batches past the largest bucket run eagerly; so does every step once a
+capture has failed (logged).
 
 What is CUDA-only is the capture itself (cuda_graph.py: `CudaGraphCapture`), passed in as `capture`; with
 `replay_eagerly` the same buffers and padding run on any device, which is how the CPU tests check all of
@@ -18,6 +19,7 @@ stream) and each replay's logits are read before the next replay, which may reus
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ import torch
 from serval.runner.attention.backend import StepAttention
 from serval.runner.attention.triton_paged import TritonDecodes, TritonMetadata, TritonPagedBackend
 from serval.runner.batch import Batch
+
+logger = logging.getLogger(__name__)
 
 # capture(run) -> replay: `run()` computes the step over the static buffers and returns its logits; replay()
 # recomputes them for the buffers' current contents and returns the (same) output tensor.
@@ -128,24 +132,37 @@ class DecodeGraphs:
         self.logit_rows = torch.arange(size, dtype=torch.long, device=device)
         self.backend = TritonPagedBackend()
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.capture_error: str | None = None  # why graphs were turned off, if a capture failed
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """(num_seqs, vocab_size) float32 logits of a graph step; None when the step is not one (is_graph_step,
         or wider than the largest bucket): the caller runs it eagerly."""
         bucket = bucket_for(batch.num_seqs, self.buckets) if is_graph_step(batch) else None
         tables = batch.block_table_tensor()
-        if bucket is None or tables.shape[1] > self.block_tables.shape[1]:
+        if bucket is None or tables.shape[1] > self.block_tables.shape[1] or self.capture_error is not None:
             return None
-        if bucket not in self.replays:
-            # Captured over padding only: the capture's own runs write K/V, and rows left from an earlier
-            # step of a wider bucket would write theirs into blocks that may have changed hands since.
-            self._fill_padding(bucket)
-            self.replays[bucket] = self.capture(self._forward(bucket))
+        if bucket not in self.replays and not self._capture(bucket):
+            return None
         padded = padded_decode_inputs(
             batch.token_ids, batch.num_computed_tokens, tables, self.block_size, bucket, self.pad_block
         )
         self._fill(padded)
         return self.replays[bucket]()[: batch.num_seqs]
+
+    def _capture(self, bucket: int) -> bool:
+        """Capture the bucket's graph; False (and graphs off from then on, said once in the log) if capturing
+        fails: a step the graph cannot record still runs eagerly, and the server goes on serving."""
+        # Captured over padding only: the capture's own runs write K/V, and rows left from an earlier step of a
+        # wider bucket would write theirs into blocks that may have changed hands since.
+        self._fill_padding(bucket)
+        try:
+            self.replays[bucket] = self.capture(self._forward(bucket))
+        except RuntimeError as e:
+            self.capture_error = f"bucket {bucket}: {e}"
+            logger.warning("decode graphs are off, every step runs eagerly: capturing %s", self.capture_error)
+            self._fill_padding(bucket)  # the failed runs may have left nothing else behind
+            return False
+        return True
 
     def _fill_padding(self, bucket: int) -> None:
         self.input_ids[:bucket].zero_()

@@ -119,3 +119,21 @@ def test_replayed_decode_steps_match_the_eager_runner(runner):
         positions[:num_seqs] = [p + 1 for p in positions[:num_seqs]]
     assert captured == [8, 4, 1]  # one capture per bucket: the second 5-sequence step replayed bucket 8
     assert graphs.run(Batch([1, 2, 3], [2, 1], [0, 5], [[0], [1, 2]], [0, 1], [SamplingRow()] * 2)) is None
+
+
+def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(runner, caplog):
+    attempts: list[int] = []
+
+    def failing_capture(run):
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, BLOCK_SIZE, max_blocks_per_seq=8, max_batch=8, pad_block=PAD_BLOCK,
+        device=torch.device("cpu"), capture=failing_capture,
+    )  # fmt: skip
+    batch = _decode([5, 6], [3, 4], [[0, 1], [2, 3]])
+    assert graphs.run(batch) is None and graphs.run(_decode([7], [3], [[4]])) is None
+    assert attempts == [1]  # not tried again, for this bucket or another
+    assert "bucket 2: operation not permitted" in graphs.capture_error
+    assert "decode graphs are off" in caplog.text
