@@ -26,8 +26,14 @@ STEPS = {
 }
 # gpt-oss's attention: a window shorter than most contexts (it cuts off cached prefixes), sink logits.
 ATTENTION = {"plain": (0, False), "window": (4, False), "sinks": (0, True), "window_and_sinks": (5, True)}
-# (num_heads, num_kv_heads, head_dim, block_size)
-SHAPES = {"gqa3": (6, 2, 32, 4), "mha_bs16": (4, 4, 16, 16), "gqa4_d24_bs5": (8, 2, 24, 5)}
+# (num_heads, num_kv_heads, head_dim, block_size). The decode kernel's key tile follows the group and head
+# size: 64 keys for the first three, 8 (under a block) for the last.
+SHAPES = {
+    "gqa3": (6, 2, 32, 4),
+    "mha_bs16": (4, 4, 16, 16),
+    "gqa4_d24_bs5": (8, 2, 24, 5),
+    "gqa8_d128_bs16": (16, 2, 128, 16),
+}
 
 
 def _run_step(backend, steps, shape, window, with_sinks, seed=0, dtype=torch.float32):

@@ -21,11 +21,13 @@ import triton
 
 from serval.runner.attention.backend import FusedDecodeInputs, StepLayout, write_new_kv
 
-# Key positions per iteration of the kernels' loops, and query rows per prefill program. 16 is tl.dot's
+# Key positions per iteration of the prefill kernel's loop, and query rows per prefill program. 16 is tl.dot's
 # smallest tile on NVIDIA GPUs.
-DECODE_BLOCK_N = 32
 PREFILL_BLOCK_M = 16
 PREFILL_BLOCK_N = 32
+# The decode kernel's (group, keys, head_dim) broadcast product: its keys per iteration are sized so that it
+# holds at most this many values (64 fp32 registers a thread over 4 warps).
+DECODE_TILE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -131,14 +133,15 @@ def paged_decode(q, k_cache, v_cache, d: TritonDecodes, block_size, scale, windo
     from serval.runner.attention.triton_kernels import paged_decode_kernel
 
     shape = _kernel_shape(q, k_cache)
+    group_padded = triton.next_power_of_2(shape["GROUP"])
+    block_n = min(64, max(8, DECODE_TILE_ELEMENTS // (group_padded * shape["HEAD_DIM_PADDED"])))
     num_decodes, num_kv_heads = d.rows.shape[0], k_cache.shape[1]
     paged_decode_kernel[(num_decodes, num_kv_heads)](
         out, q, k_cache, v_cache, d.block_tables, d.context_lens, d.rows, _sink_arg(sinks, q),
         scale, window, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), d.block_tables.stride(0),
-        BLOCK_N=DECODE_BLOCK_N, GROUP_PADDED=triton.next_power_of_2(shape["GROUP"]),
-        HAS_SINKS=sinks is not None, **shape,
+        BLOCK_N=block_n, GROUP_PADDED=group_padded, HAS_SINKS=sinks is not None, **shape,
     )  # fmt: skip
 
 
