@@ -116,10 +116,11 @@ class TritonPagedBackend:
         return out
 
 
-def _kernel_shape(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """The constexprs both kernels take from the tensors' shapes; checks the strides they assume."""
-    if q.stride(2) != 1 or k_cache.stride(2) != 1:
-        raise ValueError("the Triton attention kernels need unit-stride head dimensions")
+def _kernel_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    """The constexprs both kernels take from the tensors' shapes; checks the strides they assume (V is
+    addressed with K's strides)."""
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("the Triton attention kernels need unit-stride head dimensions and K, V alike")
     head_dim = q.shape[2]
     return {
         "HEAD_DIM": head_dim,
@@ -132,7 +133,7 @@ def paged_decode(q, k_cache, v_cache, d: TritonDecodes, block_size, scale, windo
     """out[d.rows] = each decode's attention over its cached context (q, out: (num_tokens, H, D))."""
     from serval.runner.attention.triton_kernels import paged_decode_kernel
 
-    shape = _kernel_shape(q, k_cache)
+    shape = _kernel_shape(q, k_cache, v_cache)
     group_padded = triton.next_power_of_2(shape["GROUP"])
     block_n = min(64, max(8, DECODE_TILE_ELEMENTS // (group_padded * shape["HEAD_DIM_PADDED"])))
     num_decodes, num_kv_heads = d.rows.shape[0], k_cache.shape[1]
@@ -149,7 +150,7 @@ def paged_prefill(q, k_cache, v_cache, p: TritonPrefills, block_size, scale, win
     """out[rows of each prefill] = its new tokens' causal attention over cached prefix + themselves."""
     from serval.runner.attention.triton_kernels import paged_prefill_kernel
 
-    shape = _kernel_shape(q, k_cache)
+    shape = _kernel_shape(q, k_cache, v_cache)
     grid = (p.query_lens.shape[0], triton.cdiv(p.max_query_len, PREFILL_BLOCK_M), q.shape[1])
     paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, p.block_tables, p.query_starts, p.query_lens, p.context_lens,
