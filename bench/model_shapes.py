@@ -191,6 +191,8 @@ SHAPES = {
         ModelShape("llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 500000.0, True, 8192),
         ModelShape("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128, 500000.0, True, 8192),
         ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 128, 10000.0, False, 4096),
+        # Llama 3.1 8B's layers (GQA 32/8, head 128) over SmolLM2's vocabulary, as every shape here
+        ModelShape("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128, 500000.0, False, 8192),
         _QWEN3_30B_A3B,
         dataclasses.replace(_QWEN3_30B_A3B, name="qwen3-30b-a3b-12l", num_layers=12),
         ModelShape(

@@ -32,8 +32,21 @@ class ModelConfig:
     # llama.cpp's own, docs/benchmarks/2026-12-04.md); "float32", int16 x, closer to the file's exact
     # products; "auto", the faster of the two for the kernel variant (kernels.default_batch_activations).
     batch_activations: str = "auto"
+    # The attention backend (runner/attention/selector.py): "auto" picks by device (native-cpu on the CPU with
+    # the kernels built, triton on CUDA, sdpa otherwise); "sdpa", "native-cpu" or "triton" force one, and
+    # start-up fails where it cannot run (tests force "triton" on the CPU under TRITON_INTERPRET=1).
+    attention_backend: str = "auto"
+    # CUDA only: decode-only steps of up to this many sequences replay captured CUDA graphs
+    # (runner/decode_graphs.py); 0 runs every step eagerly. Ignored on the CPU.
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+        if self.attention_backend not in ("auto", "native-cpu", "sdpa", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, native-cpu, sdpa or triton, got {self.attention_backend!r}"
+            )
         if self.batch_activations not in ("auto", "float32", "int8"):
             raise ValueError(
                 f"batch_activations must be auto, float32 or int8, got {self.batch_activations!r}"

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.fixtures.tiny_models import write_tiny_model
+
+# Triton's interpreter runs the CUDA attention backend's kernels on CPU tensors (tests/fixtures/
+# triton_interpreter.py). It must be chosen before triton is first imported, which anything may do (triton's
+# own library functions are decorated at that import), so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHITECTURES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 

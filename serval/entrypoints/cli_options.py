@@ -229,6 +229,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "float32 with AVX-512, where it is faster up to 16 rows; docs/configuration.md)",
     )
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "native-cpu", "sdpa", "triton"],
+        help="attention over the paged KV cache (default auto: native-cpu on the CPU with its kernels built, "
+        "triton on CUDA, sdpa otherwise; docs/cuda.md)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        help="CUDA: decode steps of up to this many sequences replay captured graphs (default 256; 0: none)",
+    )
     p.add_argument("--seed", type=int, help="seed of unseeded sampling")
     p.add_argument(
         "--single-sequence-threads",

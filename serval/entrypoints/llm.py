@@ -85,35 +85,32 @@ class LLM:
         batch_activations: str = "auto",
         tensor_parallel_size: int = 1,
         speculative_config: dict | SpeculativeConfig | None = None,
+        attention_backend: str = "auto",
+        cuda_graph_max_batch: int = ModelConfig.cuda_graph_max_batch,
     ):
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
         close() stops them (else they stop when this process exits). speculative_config: vLLM's keys
-        ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig)."""
+        ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig).
+        attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md)."""
         if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig(**speculative_config)
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
             model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                seed=seed,
-                batch_activations=batch_activations,
+                model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+                batch_activations=batch_activations, attention_backend=attention_backend,
+                cuda_graph_max_batch=cuda_graph_max_batch,
             ),
             cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_blocks=num_kv_blocks,
+                block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes, num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_queue_len=OFFLINE_MAX_QUEUE_LEN,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             speculative=speculative_config or SpeculativeConfig(),
-        )
+        )  # fmt: skip
         self.engine = build_engine(config)
         self.tokenizer = Tokenizer.from_source(self.engine.source)
         source = self.engine.source

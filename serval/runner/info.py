@@ -21,7 +21,7 @@ class RunnerInfo:
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (kernels.VARIANTS' names), or none
-    attention_backend: str = "sdpa"  # runner/attention/selector.py's choice: "native-cpu" or "sdpa"
+    attention_backend: str = "sdpa"  # runner/attention/selector.py's choice: "native-cpu", "triton" or "sdpa"
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
     # How packed 4-bit matmuls take x (every row count, wherever AVX2 is), in effect:
     # "int8" (x rounded per block, the default where the kernels have it) or "float32" (exact products: asked

@@ -15,6 +15,7 @@ from serval.model_source import ModelSource
 from serval.runner.attention.backend import StepAttention, StepLayout
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
+from serval.runner.cuda_graph import decode_graphs_for
 from serval.runner.info import RunnerInfo
 from serval.runner.kernels import default_batch_activations, load_cpu_kernels
 from serval.runner.layers import use_native_kernels
@@ -42,11 +43,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, weight_formats: tuple[str, ...] = ()) -> torch.dtype:
+    """auto: on CUDA the checkpoint's 16-bit type as stored (fp16 where most weights are F16, else bf16)."""
     if name == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        if device.type == "cuda":
+            return torch.float16 if weight_formats[:1] == ("F16",) else torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -56,6 +58,8 @@ def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packa
     Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
     kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
     take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
+    Never on CUDA (no native kernels there): block formats are dequantized once at load into the compute
+    dtype, 2 bytes a weight in bf16, 3.6x a Q4 file (docs/cuda.md, "GGUF on CUDA: the memory cost").
     """
     if kernels is None:
         return False
@@ -81,7 +85,7 @@ class ModelRunner:
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.kernel_variant = "none" if kernels is None else kernels.variant
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device, self.weight_formats)
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
@@ -90,8 +94,14 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes
         )
-        self.kv_caches = self._allocate_kv_cache()
-        self.attention_backend = select_attention_backend(self.device, kernels)
+        self.attention_backend = select_attention_backend(
+            self.device, kernels, model_config.attention_backend
+        )
+        # On CUDA one KV block past the engine's takes decode graphs' padding rows (decode_graphs.py).
+        self.kv_caches = self._allocate_kv_cache(num_spare_blocks=int(self.device.type == "cuda"))
+        self.decode_graphs = decode_graphs_for(
+            self, model_config.cuda_graph_max_batch, lora_config, tensor_parallel
+        )
         asked = model_config.batch_activations
         wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:
@@ -262,9 +272,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes={budget_bytes} holds fewer than 2 KV blocks")
         return int(num_blocks)
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_spare_blocks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.arch
-        shape = (self.num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
+        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, a.num_kv_heads, a.head_dim)
         return [(self._zeros(shape), self._zeros(shape)) for _ in range(a.num_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -307,6 +317,10 @@ class ModelRunner:
         sampled sequences' rows (Batch.logit_rows: one each unless num_logit_rows asks for more)."""
         device = self.device
         self.copy_blocks(batch.block_copies)
+        if self.decode_graphs is not None:  # a decode-only step replays its bucket's graph (CUDA)
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
         media_rows = None
         if batch.media:  # a multimodal model's step with a media prompt in it (runner/media.py)
             position_ids, media_rows = media_step(

@@ -31,12 +31,13 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         logits = _apply_allowed_masks(self._apply_bans(logits, rows), logits, rows)
 
-        temperature = torch.tensor([r.temperature for r in rows], device=device)
-        is_greedy = temperature == 0.0
         greedy_ids = logits.argmax(dim=-1)
-        if bool(is_greedy.all()):
+        # Decided from the rows on the host: on a GPU, a test of a device tensor would wait for the step.
+        if all(r.temperature == 0.0 for r in rows):
             token_ids = greedy_ids
         else:
+            temperature = torch.tensor([r.temperature for r in rows], device=device)
+            is_greedy = temperature == 0.0
             scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
             scaled = _apply_top_k_top_p(scaled, rows)
             probs = torch.softmax(scaled, dim=-1)
@@ -45,19 +46,9 @@ class Sampler:
             sampled_ids = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
 
-        logprobs = top = None
-        if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            logprobs = chosen.tolist()
-            max_k = max(r.num_logprobs or 0 for r in rows)
-            top = [[] for _ in rows]
-            if max_k > 0:
-                top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1)
-                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-                for i, r in enumerate(rows):
-                    k = r.num_logprobs or 0
-                    top[i] = list(zip(top_ids[i][:k], top_vals[i][:k]))
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
+        return _with_logprobs(token_ids, raw_logprobs, rows)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         has_additive = any(r.presence_penalty or r.frequency_penalty for r in rows)
@@ -101,6 +92,29 @@ class Sampler:
         return noise
 
 
+def _with_logprobs(
+    token_ids: torch.Tensor, raw_logprobs: torch.Tensor, rows: list[SamplingRow]
+) -> SamplerOutput:
+    """The ids, each chosen token's logprob and each row's top k, read back in one transfer (on a GPU, one
+    wait for the step, not three): as float64 columns, which hold the ids and the fp32 logprobs exactly."""
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # (num_rows, 1)
+    max_k = max(r.num_logprobs or 0 for r in rows)
+    columns = [token_ids.unsqueeze(1).double(), chosen.double()]
+    if max_k > 0:
+        top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1)
+        columns += [top_ids.double(), top_vals.double()]
+    table = torch.cat(columns, dim=1).tolist()
+    top = []
+    for r, values in zip(rows, table):
+        k = r.num_logprobs or 0
+        top.append([(int(i), v) for i, v in zip(values[2 : 2 + k], values[2 + max_k : 2 + max_k + k])])
+    return SamplerOutput(
+        token_ids=[int(values[0]) for values in table],
+        logprobs=[values[1] for values in table],
+        top_logprobs=top,
+    )
+
+
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Each row's biases added to its logits, every row's in one scatter."""
     if not any(r.logit_bias for r in rows):
@@ -134,9 +148,8 @@ def _apply_allowed_masks(
     allowed[index] = bits[:, :vocab_size]
     masked = logits.masked_fill(~allowed, float("-inf"))
     dead = torch.isinf(masked).all(dim=-1) & allowed.any(dim=-1)
-    if bool(dead.any()):
-        masked[dead] = unbanned[dead].masked_fill(~allowed[dead], float("-inf"))
-    return masked
+    # A select, not `if dead.any()`: no wait for the device on a GPU.
+    return torch.where(dead.unsqueeze(1), unbanned.masked_fill(~allowed, float("-inf")), masked)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:

@@ -257,3 +257,14 @@ def test_bad_speculative_configs_are_refused_at_start(text, message, capsys):
 def test_a_bad_speculative_config_in_the_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown speculative config key"):
         read_mindie_config(write(tmp_path, {"SpeculativeConfig": {"method": "ngram", "k": 1}}))
+
+
+def test_attention_backend_and_cuda_graph_flags_reach_the_model_config():
+    def model_config(*argv: str):
+        return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).model
+
+    assert (model_config().attention_backend, model_config().cuda_graph_max_batch) == ("auto", 256)
+    chosen = model_config("--attention-backend", "triton", "--cuda-graph-max-batch", "0")
+    assert (chosen.attention_backend, chosen.cuda_graph_max_batch) == ("triton", 0)
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        model_config("--cuda-graph-max-batch", "-1")

@@ -155,8 +155,10 @@ def test_prefill_kernel_matches_dense_attention_around_its_blocks(kernels, head_
 def test_the_backend_is_chosen_by_device_and_kernels(kernels):
     assert isinstance(select_attention_backend(torch.device("cpu"), kernels), NativeCpuBackend)
     assert isinstance(select_attention_backend(torch.device("cpu"), None), SdpaBackend)
-    # Any other device runs the reference backend until a backend of its own is written (selector.py).
+    # A device without a backend of its own runs the reference backend (selector.py); CUDA runs Triton's
+    # (tests/runner/test_triton_attention.py).
     assert isinstance(select_attention_backend(torch.device("meta"), kernels), SdpaBackend)
+    assert select_attention_backend(torch.device("cuda"), None).name == "triton"
 
 
 @pytest.mark.parametrize("step", list(STEPS))
