@@ -98,7 +98,8 @@ class SparseMoe(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         # kernels.moe_experts and its packed stacks, set by use_kernels; None: the PyTorch path
         self.native_kernel = None
         self.native_parts: list[list[torch.Tensor]] | None = None
@@ -148,7 +149,9 @@ class SparseMoe(nn.Module):
             out = self.experts_reference(x, ids, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x).float()
-            out = out + torch.sigmoid(self.shared_expert_gate(x).float()) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x).float()) * shared
+            out = out + shared
         return out
 
     def experts_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,8 @@ class ModelRunner:
                 f"{arch.architecture} (a mixture of experts) is not supported with tensor parallelism"
                 " (--tensor-parallel-size): its experts are not split"
             )
+        if arch.mla is not None:
+            raise ValueError(f"{arch.architecture} (latent attention) is not supported with tensor parallelism")
         if arch.o_proj_bias:
             raise ValueError(
                 f"{arch.architecture} with an attention output bias is not supported with tensor parallelism"
@@ -253,8 +255,8 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         a = self.full_arch
-        element_size = self.dtype.itemsize
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element_size
+        values = self.model.kv_cache_spec(a).values_per_token()
+        return a.num_layers * self.block_size * values * self.dtype.itemsize
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
         num_blocks = budget_bytes // self._bytes_per_block()
@@ -263,9 +265,15 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        a = self.arch
-        shape = (self.num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(a.num_layers)]
+        """Each layer's (k_cache, v_cache) as the model's KvCacheSpec says; a latent cache (MLA) is one
+        tensor, the same object in both places."""
+        spec = self.model.kv_cache_spec(self.arch)
+        shape = (self.num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+        caches = []
+        for _ in range(self.arch.num_layers):
+            k_cache = self._zeros(shape)
+            caches.append((k_cache, k_cache if spec.is_latent else self._zeros(shape)))
+        return caches
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -288,8 +296,8 @@ class ModelRunner:
         source_rows = (sources[:, None] * self.block_size + offsets).flatten()
         destination_rows = (destinations[:, None] * self.block_size + offsets).flatten()
         for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
-            v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
+            for cache in (k_cache,) if v_cache is k_cache else (k_cache, v_cache):
+                cache.index_copy_(0, destination_rows, cache.index_select(0, source_rows))
 
     def _step_attention(self, batch: Batch) -> StepAttention:
         layout = StepLayout(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serval.runner.models.mla_arch import MLA_DECODERS, MlaArch, deepseek_moe_keys
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -60,6 +62,7 @@ class ArchConfig:
     vision: VisionArch | None = None  # the vision tower of a multimodal model
     audio: AudioArch | None = None  # the audio encoder of a multimodal model
     moe: MoeArch | None = None  # the experts of a mixture-of-experts model; None: every MLP is dense
+    mla: MlaArch | None = None  # DeepSeek's multi-head latent attention (head_dim is then its roped part's)
     # False for a bare decoder (Qwen3Model, what sentence-transformers saves) and any embedding model: no
     # lm_head is loaded (runner/pooling.py reads its final hidden states instead of logits).
     has_lm_head: bool = True
@@ -80,6 +83,8 @@ class ArchConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
+        if architecture in MLA_DECODERS:  # the rotary tables' width (DeepSeek's released configs have no head_dim)
+            head_dim = cfg["qk_rope_head_dim"]
         attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", architecture in _QWEN2_DECODERS)))
         sliding_window, sliding_layers = _sliding_window(architecture, cfg)
         return cls(
@@ -106,7 +111,8 @@ class ArchConfig:
             mrope_section=_mrope_section(cfg),
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
-            moe=MoeArch.from_hf_config(architecture, cfg) if architecture in _MOE_FAMILIES else None,
+            moe=_moe(architecture, cfg),
+            mla=MlaArch.from_hf_config(architecture, cfg) if architecture in MLA_DECODERS else None,
             has_lm_head=architecture not in BARE_DECODERS,
         )
 
@@ -180,6 +186,7 @@ class MoeArch:
     renormalize: bool
     dense_layers: frozenset[int]  # layers whose MLP is dense (intermediate_size wide), not sparse
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    shared_expert_gated: bool = True  # Qwen2-MoE's is behind a sigmoid gate; DeepSeek's are added as they are
     has_biases: bool = False  # the router and the experts' gate, up and down projections add biases
     # "silu": silu(gate) * up; "clamped_swiglu" (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit),
     # g * sigmoid(alpha g) * (u + 1)
@@ -323,6 +330,13 @@ class VisionArch:
             vision_start_token_id=int(cfg["vision_start_token_id"]),
             vision_end_token_id=int(cfg["vision_end_token_id"]),
         )
+
+
+def _moe(architecture: str, cfg: dict) -> MoeArch | None:
+    if architecture in _MOE_FAMILIES:
+        return MoeArch.from_hf_config(architecture, cfg)
+    keys = deepseek_moe_keys(cfg) if architecture in MLA_DECODERS else {}
+    return MoeArch(**keys) if keys else None
 
 
 def _rope_theta(cfg: dict) -> float:

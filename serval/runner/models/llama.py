@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from serval.runner.attention.backend import StepAttention, paged_attention
+from serval.runner.attention.backend import KvCacheSpec, StepAttention, paged_attention
 from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
     GatedMLP,
@@ -113,6 +113,14 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer = DecoderLayer  # a subclass with another attention (models/deepseek.py) names its own
+    has_decode_stack = True  # whether kernels.DecodeStack (Llama's attention) can run its decodes
+
+    @staticmethod
+    def kv_cache_spec(arch: ArchConfig) -> KvCacheSpec:
+        """What each layer caches a token (the runner allocates it): a K and a V row per KV head."""
+        return KvCacheSpec(arch.num_kv_heads, arch.head_dim)
+
     def __init__(self, arch: ArchConfig, max_positions: int):
         super().__init__()
         self.arch = arch
@@ -122,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         has_own_head = arch.has_lm_head and not arch.tie_word_embeddings
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False) if has_own_head else None
@@ -236,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
-        self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
+        if self.has_decode_stack:
+            self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP

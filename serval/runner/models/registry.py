@@ -27,6 +27,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    # Multi-head latent attention (runner/mla.py), dense and sparse layers.
+    "DeepseekV2ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serval.runner.models.qwen2_vl",

@@ -1,0 +1,60 @@
+"""DeepSeek-V2 and DeepSeek-V3 (and Kimi-K2, a DeepSeek-V3): Llama's decoder with multi-head latent attention
+(runner/mla.py) and, past the first `first_k_dense_replace` layers, sparse MLPs with shared experts
+(runner/moe.py).
+
+Everything but the layers' attention is LlamaForCausalLM's (embedding, head, loading); the paged cache keeps
+one latent row a token per layer (kv_cache_spec), which the runner allocates as one tensor.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from serval.runner.attention.backend import KvCacheSpec
+from serval.runner.layers import GatedMLP, RMSNorm
+from serval.runner.mla import LatentAttention
+from serval.runner.models.arch import ArchConfig
+from serval.runner.models.llama import DecoderLayer, LlamaForCausalLM
+from serval.runner.moe import SparseMoe
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    def __init__(self, arch: ArchConfig, index: int):
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LatentAttention(arch, index)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.moe is not None and arch.moe.is_sparse(index):
+            self.mlp = SparseMoe(arch.hidden_size, arch.moe)
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.all_reduce = None  # never split (Runner.check_can_split refuses MLA)
+
+    def forward(self, x, rope, k_cache, v_cache, meta, lora=None):
+        # k_cache is v_cache: the layer's one latent cache
+        x = x.add_(self.self_attn(self.input_layernorm(x), rope, k_cache, meta, lora))
+        return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    decoder_layer = DeepseekDecoderLayer
+
+    @staticmethod
+    def kv_cache_spec(arch: ArchConfig) -> KvCacheSpec:
+        """One row a token: [c_kv, roped key], its first kv_lora_rank values the value."""
+        return KvCacheSpec(1, arch.mla.latent_dim, latent_value_dim=arch.mla.kv_lora_rank)
+
+    has_decode_stack = False  # the native DecodeStack runs Llama's attention: decodes go layer by layer
+
+    def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
+        name = hf_name.removeprefix("model.")
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer[1]) >= self.arch.num_layers:
+            return None  # V3's multi-token-prediction layers (num_nextn_predict_layers) are not run
+        if ".self_attn." in name:
+            return name, None  # no fused q/k/v: MLA's projections are loaded as they are
+        return super().weight_target(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
