@@ -60,7 +60,9 @@ class LatentAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, q_size, bias=False)
         self.kv_a_proj_with_mqa = Linear(arch.hidden_size, mla.latent_dim, bias=arch.attention_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, arch.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), False)
+        self.kv_b_proj = Linear(
+            mla.kv_lora_rank, arch.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), False
+        )
         self.o_proj = Linear(arch.num_heads * mla.v_head_dim, arch.hidden_size, bias=arch.attention_bias)
         self.scale = mla_softmax_scale(mla.qk_head_dim, arch.rope_scaling)
         # kv_b_proj split per head, made on first use (after loading): (num_heads, qk_nope, kv_lora_rank) and
@@ -74,7 +76,9 @@ class LatentAttention(nn.Module):
             weight = proj.weight
             if is_placeholder(weight):
                 weight = proj.packed.rows(torch.arange(proj.out_features)).to(weight.dtype)
-            per_head = weight.detach().view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+            per_head = weight.detach().view(
+                self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank
+            )
             w_uk, w_uv = per_head.split([self.nope_dim, self.v_head_dim], dim=1)
             self._absorbed = (w_uk.contiguous(), w_uv.contiguous())
         return self._absorbed

@@ -190,7 +190,9 @@ class ModelRunner:
                 " (--tensor-parallel-size): its experts are not split"
             )
         if arch.mla is not None:
-            raise ValueError(f"{arch.architecture} (latent attention) is not supported with tensor parallelism")
+            raise ValueError(
+                f"{arch.architecture} (latent attention) is not supported with tensor parallelism"
+            )
         if arch.o_proj_bias:
             raise ValueError(
                 f"{arch.architecture} with an attention output bias is not supported with tensor parallelism"

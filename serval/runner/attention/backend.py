@@ -156,7 +156,12 @@ def paged_attention(
 
 
 def paged_latent_attention(
-    q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, step: StepAttention, scale: float, value_dim: int
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    cache: torch.Tensor,
+    step: StepAttention,
+    scale: float,
+    value_dim: int,
 ) -> torch.Tensor:
     """MLA's call: the step's backend's latent attention (AttentionBackend.forward_latent)."""
     return step.backend.forward_latent(q, latent, cache, step.metadata, scale, value_dim)

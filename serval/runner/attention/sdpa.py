@@ -82,7 +82,9 @@ class SdpaBackend:
         values, cached_values = latent[..., :value_dim], cache[..., :value_dim]
         return self._attend(q, latent, values, cache, cached_values, metadata, scale, 0, None)
 
-    def _attend(self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks) -> torch.Tensor:
+    def _attend(
+        self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
+    ) -> torch.Tensor:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows

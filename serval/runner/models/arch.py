@@ -83,7 +83,7 @@ class ArchConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
-        if architecture in MLA_DECODERS:  # the rotary tables' width (DeepSeek's released configs have no head_dim)
+        if architecture in MLA_DECODERS:  # the rotary tables' width (DeepSeek's configs may lack head_dim)
             head_dim = cfg["qk_rope_head_dim"]
         attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", architecture in _QWEN2_DECODERS)))
         sliding_window, sliding_layers = _sliding_window(architecture, cfg)

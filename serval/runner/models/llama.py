@@ -245,7 +245,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
         if self.has_decode_stack:
-            self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
+            self.decode_stack = make_decode_stack(
+                self, kernels, kv_caches, block_size, int8_batch_activations
+            )
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP
