@@ -26,6 +26,7 @@ from serval.runner.loader.dequant import (
     dequantize,
     is_supported,
 )
+from serval.runner.loader.gguf_deepseek import SPLIT_KV_B_PARTS, KvBJoiner, deepseek2_config, yarn_mscale_keys
 from serval.runner.loader.gguf_file import GGUFFile
 from serval.runner.loader.gguf_names import hf_matrix_names
 from serval.runner.loader.gguf_pack import NativeRepack, packed_from_blocks, unpermute_rows
@@ -40,6 +41,8 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
         "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
         "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+        # DeepSeek-V2 and V3 (and Kimi-K2): which one, gguf_deepseek.py reads from the router's kind
+        "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
     }
 )
 # llama.cpp writes Mixtral as llama with experts.
@@ -149,7 +152,8 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
             value = metadata_value(reader, f"{arch}.rope.scaling.{gguf_key}")
             if value is not None:
                 scaling[hf_key] = value if isinstance(value, int) else _float(value)
-        return scaling
+        log_multiplier = metadata_value(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+        return scaling | yarn_mscale_keys(None if log_multiplier is None else _float(log_multiplier))
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
@@ -201,6 +205,12 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }
     config.update(moe)
+    if arch == "deepseek2":
+        config.update(
+            deepseek2_config(
+                lambda key, default: metadata_value(reader, f"{arch}.{key}", default), tensor_names
+            )
+        )
     pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
@@ -244,7 +254,9 @@ def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
         {
             name: int(t.tensor_type)
             for t in reader.tensors
-            if len(t.shape) in (2, 3) and t.tensor_type in BLOCK_CODE_TYPES
+            if len(t.shape) in (2, 3)
+            and t.tensor_type in BLOCK_CODE_TYPES
+            and t.name.split(".")[-2] not in SPLIT_KV_B_PARTS
             for name in hf_matrix_names(t)
         }
     )
@@ -256,6 +268,7 @@ def _is_packable_matrix(tensor) -> bool:
     return (
         len(tensor.shape) in (2, 3)
         and tensor.name.endswith(".weight")
+        and tensor.name.split(".")[-2] not in SPLIT_KV_B_PARTS  # joined into kv_b_proj, which stays dense
         and (tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES)
     )
 
@@ -296,9 +309,15 @@ def iter_gguf_weights(
     # rows of q_proj are grouped by query head, rows of k_proj by key/value head
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = progress(reader.tensors, desc="loading GGUF weights", unit="tensor")
+    kv_b = KvBJoiner()
     for matrix_names, tensor in zip(names, tensors):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
+        if part in SPLIT_KV_B_PARTS:
+            joined = kv_b.add(matrix_names[0], part, dequantize(tensor.data, tensor.tensor_type, shape))
+            yield from [] if joined is None else [joined]
+            reader.release_pages(tensor.data_offset, tensor.n_bytes)
+            continue
         heads = heads_of[part] if is_permuted and part in heads_of else None
         packable = packed_forms is not None and _is_packable_matrix(tensor)
         # A 3-D tensor is one matrix per expert (its data's first axis), each yielded under its own name (a

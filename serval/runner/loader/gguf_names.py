@@ -38,6 +38,17 @@ _LAYER_NAMES: MappingProxyType[str, str] = MappingProxyType(
         # gpt-oss: its FFN norm, and the attention sinks (a bare parameter: `.weight` in the file only)
         "post_attention_norm": "post_attention_layernorm",
         "attn_sinks": "self_attn.sinks",
+        # deepseek2 (DeepSeek-V2/V3, Kimi-K2): MLA's projections and norms, V3's router correction bias.
+        # attn_k_b / attn_v_b (a split kv_b_proj) get stand-in names, joined by loader/gguf_deepseek.py.
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.attn_k_b",
+        "attn_v_b": "self_attn.attn_v_b",
+        "exp_probs_b": "mlp.gate",
     }
 )
 # The experts' 3-D tensors (one matrix per expert), and the per-expert tensors of older Mixtral files
@@ -64,6 +75,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     layer, part, kind = match.groups()
     if part == "attn_sinks":
         return f"model.layers.{layer}.self_attn.sinks"
+    if part == "exp_probs_b":  # a bare buffer of the router: `.bias` in the file only
+        return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
