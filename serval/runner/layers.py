@@ -112,6 +112,7 @@ class RopeTables:
     sin: torch.Tensor
     dtype: torch.dtype  # of q and k
     native_kernel: Callable | None  # kernels.rotary_embedding_ (in place, fp32 math)
+    interleaved: bool = False  # dims (2i, 2i+1) turn together (GLM-4), not (i, i + dim / 2) (neox)
 
     def __post_init__(self) -> None:
         if self.native_kernel is None:
@@ -120,28 +121,46 @@ class RopeTables:
             self.sin_b = self.sin.unsqueeze(1).to(self.dtype)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary_dim = 2 * self.cos.shape[-1]
+        if rotary_dim < q.shape[-1]:  # partial RoPE: each head's first rotary_dim dims turn, the rest pass
+            q_rot, k_rot = self.apply(q[..., :rotary_dim], k[..., :rotary_dim])
+            if self.native_kernel is not None:  # turned in place, through the views
+                return q, k
+            return torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat(
+                (k_rot, k[..., rotary_dim:]), dim=-1
+            )
         if self.native_kernel is not None:
             self.native_kernel(q, k, self.cos, self.sin)
             return q, k
-        return apply_rope(q, self.cos_b, self.sin_b), apply_rope(k, self.cos_b, self.sin_b)
+        rotate = apply_interleaved_rope if self.interleaved else apply_rope
+        return rotate(q, self.cos_b, self.sin_b), rotate(k, self.cos_b, self.sin_b)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate halves) RoPE with a precomputed cos/sin table indexed by position."""
+    """Neox-style (rotate halves) RoPE with a precomputed cos/sin table indexed by position, over the first
+    2 x len(inv_freq) dims of each head; interleaved: GLM-4's pairs of adjacent dims (PyTorch only: the
+    native kernel turns halves)."""
 
     native_kernel = None  # kernels.rotary_embedding_, set by use_native_kernels
 
     def __init__(
-        self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0
+        self,
+        head_dim: int,
+        max_positions: int,
+        inv_freq: torch.Tensor,
+        attention_factor: float = 1.0,
+        interleaved: bool = False,
     ):
         super().__init__()
+        self.interleaved = interleaved
         positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(positions, inv_freq)  # (max_positions, head_dim // 2)
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        return RopeTables(self.cos[positions], self.sin[positions], dtype, self.native_kernel)
+        kernel = None if self.interleaved else self.native_kernel
+        return RopeTables(self.cos[positions], self.sin[positions], dtype, kernel, self.interleaved)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,6 +168,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (num_tokens, num_heads, dim); dims 2i and 2i+1 turn by frequency i (transformers' GLM-4).
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
 class Linear(nn.Linear):

@@ -85,9 +85,28 @@ class ExpertStacks(nn.Module):
         return [[s.codes, s.scales, s.offsets, s.super_scales] for s in stacks]
 
 
+class ScoreCorrection(nn.Module):
+    """The per-expert bias added to the router's scores to choose experts (e_score_correction_bias), kept
+    in fp32 whatever the model's dtype, as transformers keeps it: bf16 would move near-ties between experts."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: model.to(dtype) runs before the checkpoint is copied in; keeping the parameter fp32 here means
+        # the loaded values are never rounded.
+        super()._apply(fn, recurse)
+        if self.bias.dtype != torch.float32:
+            self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
+        return self
+
+
 class SparseMoe(nn.Module):
-    """Router, routed experts and optional shared expert of one sparse layer (transformers'
-    Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock compute the same)."""
+    """Router, routed experts and optional shared expert(s) of one sparse layer (transformers'
+    Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE, Glm4MoeMoE,
+    MiniMaxM2SparseMoeBlock compute the same). Routing runs in PyTorch row by row (each row's experts are a
+    function of its own scores); the experts then run in kernels.moe_experts or experts_reference."""
 
     def __init__(self, hidden_size: int, moe: MoeArch):
         super().__init__()
@@ -98,8 +117,17 @@ class SparseMoe(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
-            if moe.shared_expert_gated:
-                self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe.shared_experts_intermediate_size)
+            if moe.shared_experts_intermediate_size
+            else None
+        )
+        self.score_correction = ScoreCorrection(moe.num_experts) if moe.has_score_correction else None
+        self.scoring, self.routed_scaling_factor = moe.scoring, moe.routed_scaling_factor
+        self.num_groups, self.topk_groups = moe.num_groups, moe.topk_groups
+        self.group_scoring = moe.group_scoring
+        self.has_plain_routing = moe.has_plain_routing
         # kernels.moe_experts and its packed stacks, set by use_kernels; None: the PyTorch path
         self.native_kernel = None
         self.native_parts: list[list[torch.Tensor]] | None = None
@@ -130,12 +158,31 @@ class SparseMoe(nn.Module):
                 logits = logits + self.gate.bias.float()
         else:
             logits = self.gate(x).float()
-        probs = torch.softmax(logits, dim=-1)  # (num_tokens, num_experts)
-        weights, ids = probs.sort(dim=-1, descending=True, stable=True)
-        weights, ids = weights[:, : self.top_k], ids[:, : self.top_k]
+        # (num_tokens, num_experts)
+        scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
+        choice = scores if self.score_correction is None else scores + self.score_correction.bias.float()
+        if self.num_groups > 1:
+            choice = self._within_best_groups(choice)
+        ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        weights = scores.gather(1, ids)  # the unbiased scores: the bias only chooses
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return ids, weights
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores with every expert outside each row's best topk_groups groups at -inf (ties
+        between groups go to the lower group, as between experts)."""
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, self.num_groups, num_experts // self.num_groups)
+        if self.group_scoring == "top2_sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (num_tokens, num_groups)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, num_experts)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # (num_tokens, hidden) -> fp32
         ids, weights = self.route(x)
@@ -149,9 +196,9 @@ class SparseMoe(nn.Module):
             out = self.experts_reference(x, ids, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x).float()
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x).float()) * shared
-            out = out + shared
+            out = out + torch.sigmoid(self.shared_expert_gate(x).float()) * shared
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
         return out
 
     def experts_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -197,7 +244,14 @@ def expert_weight_target(name: str, num_experts: int) -> tuple[str, int | None] 
             raise ValueError(f"weight {name!r} names expert {expert} of a model with {num_experts}")
         return f"{match['layer']}.mlp.experts.{_EXPERT_PARTS[match['part']]}.{match['kind']}", expert
     name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
-    for hf, ours in (("shared_expert.gate_proj.", 0), ("shared_expert.up_proj.", 1)):
+    if name.endswith((".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")):
+        return name[: name.index(".mlp.")] + ".mlp.score_correction.bias", None  # GLM/DeepSeek's, MiniMax's
+    for hf, ours in (("shared_experts.gate_proj.", 0), ("shared_experts.up_proj.", 1)):  # DeepSeek's
+        if f".mlp.{hf}" in name:
+            return name.replace(hf, "shared_experts.gate_up_proj."), ours
+    if ".mlp.shared_experts." in name:
+        return name, None
+    for hf, ours in (("shared_expert.gate_proj.", 0), ("shared_expert.up_proj.", 1)):  # Qwen2-MoE's
         if f".mlp.{hf}" in name:
             return name.replace(hf, "shared_expert.gate_up_proj."), ours
     if name.endswith((".mlp.gate.weight", ".mlp.gate.bias")) or ".mlp.shared_expert" in name:
@@ -240,4 +294,6 @@ def expert_shards(parameter: str, hidden_size: int, moe: MoeArch) -> tuple[int, 
         return moe.num_experts, hidden_size
     if parameter.endswith("mlp.shared_expert.gate_up_proj.weight"):
         return 2, moe.shared_expert_intermediate_size
+    if parameter.endswith("mlp.shared_experts.gate_up_proj.weight"):
+        return 2, moe.shared_experts_intermediate_size
     return None

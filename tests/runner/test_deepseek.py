@@ -31,9 +31,9 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, architecture):
     engine = _engine(directory)
     layers = engine.runner.model.layers
     assert all(isinstance(layer.self_attn, LatentAttention) for layer in layers)
-    if architecture.startswith("deepseek_v2"):  # first_k_dense_replace=1: layer 0 dense, layer 1 sparse
-        assert not isinstance(layers[0].mlp, SparseMoe) and isinstance(layers[1].mlp, SparseMoe)
-        assert layers[1].mlp.shared_expert is not None and layers[1].mlp.shared_expert_gate is None
+    # first_k_dense_replace=1: layer 0 dense, layer 1 sparse with DeepSeek's ungated shared experts
+    assert not isinstance(layers[0].mlp, SparseMoe) and isinstance(layers[1].mlp, SparseMoe)
+    assert layers[1].mlp.shared_experts is not None and layers[1].mlp.shared_expert is None
     _assert_logits_match(engine, reference, ends=(1, 5, None))
     assert_greedy_matches(engine, reference, PROMPTS, max_tokens=10)
 

@@ -50,8 +50,10 @@ def deepseek2_config(value: Callable[[str, Any], Any], tensor_names: set[str]) -
             "norm_topk_prob": bool(value("expert_weights_norm", False)),
             "n_group": int(value("expert_group_count", 1)),
             "topk_group": int(value("expert_group_used_count", 1)),
-            "topk_method": "noaux_tc" if is_v3 else "greedy",
         }
+        # V3's groups are ranked by their top-2 sum (noaux_tc), V2's by their best score
+        grouped = "noaux_tc" if is_v3 else "group_limited_greedy"
+        config["topk_method"] = grouped if config["n_group"] > 1 else "greedy"
     return config
 
 

@@ -5,14 +5,15 @@ A multimodal checkpoint (Qwen2-VL, Qwen2.5-VL) adds the shape of its vision towe
 sections, or (Qwen2-Audio) the shape of its audio encoder (AudioArch); its language model is read from
 `text_config` when the config nests it (transformers 5 writes it so), from the top level otherwise (the
 released Qwen2-VL checkpoints). A mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral) adds MoeArch: its
-experts, router and which layers are sparse; the facts that differ per family live in _MOE_FAMILIES.
+experts, router and which layers are sparse (models/moe_arch.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serval.runner.models.mla_arch import MLA_DECODERS, MlaArch, deepseek_moe_keys
+from serval.runner.models.mla_arch import MLA_DECODERS, MlaArch
+from serval.runner.models.moe_arch import MOE_ARCHITECTURES, MoeArch
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3, GLM-4.5's use_qk_norm)
     rope_scaling: RopeScaling | None = None
     o_proj_bias: bool = False  # the output projection carries a bias too (gpt-oss, Llama's attention_bias)
     # Sliding-window attention: the layers whose queries see only the last sliding_window positions up to
@@ -57,6 +58,10 @@ class ArchConfig:
     sliding_window: int = 0
     sliding_layers: frozenset[int] = frozenset()
     attention_sinks: bool = False  # a learned logit per head joins every softmax (gpt-oss)
+    # Partial RoPE (GLM-4, GLM-4.5, MiniMax-M2): only each head's first rotary_dim dims turn; 0: all of them.
+    rotary_dim: int = 0
+    rope_interleaved: bool = False  # GLM-4: dims (2i, 2i+1) turn together, not (i, i + rotary_dim / 2)
+    qk_norm_over_heads: bool = False  # MiniMax-M2: q's (k's) norm spans all its heads' dims at once
     # M-RoPE (Qwen2-VL): how many rotary frequencies follow each position axis (t, h, w, t, ...); empty: 1-D
     mrope_section: tuple[int, ...] = ()
     vision: VisionArch | None = None  # the vision tower of a multimodal model
@@ -66,6 +71,11 @@ class ArchConfig:
     # False for a bare decoder (Qwen3Model, what sentence-transformers saves) and any embedding model: no
     # lm_head is loaded (runner/pooling.py reads its final hidden states instead of logits).
     has_lm_head: bool = True
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each q/k head that RoPE turns (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ArchConfig:
@@ -102,16 +112,21 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (and none on o); Llama-family configs say so with attention_bias.
             attention_bias=attention_bias,
-            qk_norm=architecture in _QK_NORM_DECODERS,
+            qk_norm=architecture in _QK_NORM_DECODERS
+            or bool(cfg.get("use_qk_norm"))
+            and architecture in _USE_QK_NORM_DECODERS,
             rope_scaling=_rope_scaling(cfg),
-            o_proj_bias=attention_bias and architecture not in _QWEN2_DECODERS,
+            o_proj_bias=attention_bias and architecture not in _QWEN2_DECODERS | _GLM_DECODERS,
+            rotary_dim=_rotary_dim(architecture, cfg, int(head_dim)),
+            rope_interleaved=architecture in _INTERLEAVED_ROPE_DECODERS,
+            qk_norm_over_heads=architecture in _QK_NORM_OVER_HEADS_DECODERS,
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             attention_sinks=architecture in _SINK_DECODERS,
             mrope_section=_mrope_section(cfg),
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
-            moe=_moe(architecture, cfg),
+            moe=MoeArch.from_hf_config(architecture, cfg) if architecture in MOE_ARCHITECTURES else None,
             mla=MlaArch.from_hf_config(architecture, cfg) if architecture in MLA_DECODERS else None,
             has_lm_head=architecture not in BARE_DECODERS,
         )
@@ -130,8 +145,17 @@ _QWEN2_DECODERS = frozenset(
         "Qwen2MoeForCausalLM",
     }
 )
-# Architectures with a per-head RMSNorm on q and k.
-_QK_NORM_DECODERS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"})
+# Architectures with a per-head RMSNorm on q and k; GLM-4.5's where its config says use_qk_norm; MiniMax-M2's
+# spans all heads.
+_QK_NORM_DECODERS = frozenset(
+    {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model", "MiniMaxM2ForCausalLM"}
+)
+_USE_QK_NORM_DECODERS = frozenset({"Glm4MoeForCausalLM"})
+_QK_NORM_OVER_HEADS_DECODERS = frozenset({"MiniMaxM2ForCausalLM"})
+# GLM-4 and GLM-4.5: q/k/v biases (attention_bias) but none on o, and half the head rotary unless the config
+# says otherwise (transformers' default partial_rotary_factor); GLM-4 turns adjacent dims together.
+_GLM_DECODERS = frozenset({"Glm4ForCausalLM", "Glm4MoeForCausalLM"})
+_INTERLEAVED_ROPE_DECODERS = frozenset({"Glm4ForCausalLM"})
 # Architectures with a learned attention sink logit per head.
 _SINK_DECODERS = frozenset({"GptOssForCausalLM"})
 # Architectures whose sliding_window, without layer_types, applies to every layer (transformers' Mistral).
@@ -142,96 +166,6 @@ _QWEN2_CONFIG_DEFAULTS = {
     "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MoeFamily:
-    """How one family's config.json spells its experts (transformers' config classes and their defaults)."""
-
-    expert_width_key: str  # the width of one routed expert's MLP
-    renormalize_default: bool | None  # norm_topk_prob's default; None: the family always renormalizes
-    has_shared_expert: bool  # Qwen2-MoE: a dense expert beside the routed ones, behind a sigmoid gate
-    has_biases: bool = False  # gpt-oss: the router and every expert projection have biases
-    activation: str = "silu"  # MoeArch.activation
-    # gpt-oss's checkpoints: gate_up_proj (E, hidden, 2I) with gate and up in alternate columns
-    interleaved_gate_up: bool = False
-
-
-_MOE_FAMILIES = {
-    "Qwen3MoeForCausalLM": MoeFamily("moe_intermediate_size", False, False),
-    "Qwen2MoeForCausalLM": MoeFamily("moe_intermediate_size", False, True),
-    "MixtralForCausalLM": MoeFamily("intermediate_size", None, False),
-    # top-k of the logits, then a softmax over those k: the same as renormalizing
-    "GptOssForCausalLM": MoeFamily(
-        "intermediate_size",
-        None,
-        False,
-        has_biases=True,
-        activation="clamped_swiglu",
-        interleaved_gate_up=True,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class MoeArch:
-    """The routed experts of a mixture-of-experts decoder: each token's router logits (a linear map of its
-    hidden state) pick top_k experts by softmax; their SwiGLU MLPs' outputs are summed with the softmax
-    weights, renormalized over the chosen k when `renormalize` (softmax -> top-k -> renormalize equals a
-    softmax over the top-k logits)."""
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    renormalize: bool
-    dense_layers: frozenset[int]  # layers whose MLP is dense (intermediate_size wide), not sparse
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
-    shared_expert_gated: bool = True  # Qwen2-MoE's is behind a sigmoid gate; DeepSeek's are added as they are
-    has_biases: bool = False  # the router and the experts' gate, up and down projections add biases
-    # "silu": silu(gate) * up; "clamped_swiglu" (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit),
-    # g * sigmoid(alpha g) * (u + 1)
-    activation: str = "silu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    interleaved_gate_up: bool = False  # how the HF checkpoint lays out its fused experts (MoeFamily)
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer not in self.dense_layers
-
-    @classmethod
-    def from_hf_config(cls, architecture: str, cfg: dict) -> MoeArch:
-        family = _MOE_FAMILIES[architecture]
-        num_layers = int(cfg["num_hidden_layers"])
-        # Qwen-MoE: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step
-        # == 0 (transformers' Qwen2MoeDecoderLayer).
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        listed = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        dense = frozenset(i for i in range(num_layers) if i in listed or (i + 1) % step != 0)
-        renormalize = family.renormalize_default is None or bool(
-            cfg.get("norm_topk_prob", family.renormalize_default)
-        )
-        # Released Qwen-MoE configs say num_experts; transformers 5 writes num_local_experts for every family.
-        top_k, num_experts = (
-            int(cfg["num_experts_per_tok"]),
-            int(cfg.get("num_experts") or cfg["num_local_experts"]),
-        )
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-        return cls(
-            num_experts=num_experts,
-            top_k=top_k,
-            expert_intermediate_size=int(cfg[family.expert_width_key]),
-            renormalize=renormalize,
-            dense_layers=dense,
-            shared_expert_intermediate_size=(
-                int(cfg.get("shared_expert_intermediate_size") or 0) if family.has_shared_expert else 0
-            ),
-            has_biases=family.has_biases,
-            activation=family.activation,
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            interleaved_gate_up=family.interleaved_gate_up,
-        )
 
 
 @dataclass(frozen=True)
@@ -332,19 +266,28 @@ class VisionArch:
         )
 
 
-def _moe(architecture: str, cfg: dict) -> MoeArch | None:
-    if architecture in _MOE_FAMILIES:
-        return MoeArch.from_hf_config(architecture, cfg)
-    keys = deepseek_moe_keys(cfg) if architecture in MLA_DECODERS else {}
-    return MoeArch(**keys) if keys else None
-
-
 def _rope_theta(cfg: dict) -> float:
     if "rope_theta" in cfg:
         return cfg["rope_theta"]
     # transformers 5 nests it under rope_parameters.
     params = cfg.get("rope_parameters") or {}
     return params.get("rope_theta", 10000.0)
+
+
+def _rotary_dim(architecture: str, cfg: dict, head_dim: int) -> int:
+    """The rotary dims of each head: MiniMax-M2's rotary_dim, or head_dim x partial_rotary_factor (top level
+    or in rope_parameters, as transformers 5 writes it); 0 where all of head_dim turns."""
+    if cfg.get("rotary_dim"):
+        rotary_dim = int(cfg["rotary_dim"])
+    else:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor")
+        if factor is None:
+            factor = 0.5 if architecture in _GLM_DECODERS else 1.0
+        rotary_dim = int(head_dim * float(factor))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary dims {rotary_dim} must be even and within the head's {head_dim}")
+    return 0 if rotary_dim == head_dim else rotary_dim
 
 
 def _mrope_section(cfg: dict) -> tuple[int, ...]:

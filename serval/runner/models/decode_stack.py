@@ -2,8 +2,9 @@
 packed forms, caches and attention facts in the lists its constructor takes.
 
 The stack computes what the model's layers compute with the native kernels, bit for bit, so it is built only
-where every layer is one it runs: dense MLPs, and sparse layers whose experts and router take the native
-kernels (kernels/moe.cpp) with no shared expert.
+where every layer is one it runs (whole-head neox RoPE, per-head q/k norms, Llama's block with no extra
+norms): dense MLPs, and sparse layers whose experts and router take the native kernels (kernels/moe.cpp)
+with no shared expert and a plain softmax router (MoeArch.has_plain_routing).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ def _linear(module: Linear) -> list[torch.Tensor]:
 def _runs_natively(mlp) -> bool:
     if not isinstance(mlp, SparseMoe):
         return True
-    return mlp.native_kernel is not None and mlp.router_kernel is not None and mlp.shared_expert is None
+    return (
+        mlp.native_kernel is not None
+        and mlp.router_kernel is not None
+        and mlp.shared_expert is None
+        and mlp.shared_experts is None
+        and mlp.has_plain_routing  # the stack's router is a softmax over all experts
+    )
 
 
 def _experts(mlp: SparseMoe) -> tuple[list[torch.Tensor], list[float]]:
@@ -46,7 +53,10 @@ def make_decode_stack(
 ):
     """kernels.DecodeStack over the model's layers and these caches, or None when a layer is one the stack
     does not run (see the module's docstring): such models decode layer by layer."""
-    if not all(_runs_natively(layer.mlp) for layer in model.layers):
+    arch = model.arch
+    if arch.rotary_dim or arch.rope_interleaved or arch.qk_norm_over_heads:
+        return None  # the stack turns whole heads' halves and norms q/k per head
+    if not all(layer.fits_decode_stack and _runs_natively(layer.mlp) for layer in model.layers):
         return None
     none = torch.empty(0)
     layers, linears, experts, expert_params = [], [], [], []
@@ -76,7 +86,6 @@ def make_decode_stack(
             tensors, params = [], []
         experts.append(tensors)
         expert_params.append(params)
-    arch = model.arch
     windows = [layer.self_attn.window for layer in model.layers]
     return kernels.DecodeStack(
         layers, linears, experts, expert_params, windows, arch.num_heads, arch.num_kv_heads, arch.head_dim,

@@ -23,6 +23,8 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 class DeepseekDecoderLayer(DecoderLayer):
+    fits_decode_stack = False  # the native DecodeStack runs Llama's attention: decodes go layer by layer
+
     def __init__(self, arch: ArchConfig, index: int):
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -41,14 +43,12 @@ class DeepseekDecoderLayer(DecoderLayer):
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
-    decoder_layer = DeepseekDecoderLayer
+    layer_class = DeepseekDecoderLayer
 
     @staticmethod
     def kv_cache_spec(arch: ArchConfig) -> KvCacheSpec:
         """One row a token: [c_kv, roped key], its first kv_lora_rank values the value."""
         return KvCacheSpec(1, arch.mla.latent_dim, latent_value_dim=arch.mla.kv_lora_rank)
-
-    has_decode_stack = False  # the native DecodeStack runs Llama's attention: decodes go layer by layer
 
     def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
         name = hf_name.removeprefix("model.")
@@ -57,4 +57,5 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             return None  # V3's multi-token-prediction layers (num_nextn_predict_layers) are not run
         if ".self_attn." in name:
             return name, None  # no fused q/k/v: MLA's projections are loaded as they are
-        return super().weight_target(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
+        # GGUF's ffn_*_shexp come named as Qwen2-MoE's one gated shared expert; DeepSeek's are ungated
+        return super().weight_target(name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))

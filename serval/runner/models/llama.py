@@ -1,7 +1,8 @@
 """The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
 and their mixture-of-experts forms: Mixtral, Qwen2-MoE, Qwen3-MoE (a sparse MLP, runner/moe.py, in some or
 all layers) and gpt-oss (q/k/v/o biases, a learned attention sink per head, sliding-window attention on
-alternate layers, YaRN RoPE, biased experts with a clamped SwiGLU).
+alternate layers, YaRN RoPE, biased experts with a clamped SwiGLU) and MiniMax-M2 (q/k norms over all heads,
+partial RoPE, sigmoid routing with a correction bias). GLM-4 and GLM-4.5 subclass it (models/glm4.py).
 
 These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
 names and are packed into fused q/k/v and gate/up matrices (and stacked expert matrices) as they load.
@@ -46,8 +47,13 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        # per head, or (MiniMax-M2) over all the heads' dims at once
+        self.norms_all_heads = arch.qk_norm_over_heads
+        q_width, k_width = (
+            (self.q_size, self.kv_size) if self.norms_all_heads else (self.head_dim, self.head_dim)
+        )
+        self.q_norm = RMSNorm(q_width, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_width, arch.rms_norm_eps) if arch.qk_norm else None
         self.window = arch.sliding_window if index in arch.sliding_layers else 0
         self.sinks = nn.Parameter(torch.zeros(arch.num_heads)) if arch.attention_sinks else None
 
@@ -62,10 +68,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.norms_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norms_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         # The kernels take the sinks in fp32 whatever the compute dtype (a softmax logit, not a weight).
@@ -75,6 +83,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fits_decode_stack = True  # kernels.DecodeStack computes this block (models/decode_stack.py)
+
     def __init__(self, arch: ArchConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -113,8 +123,8 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    decoder_layer = DecoderLayer  # a subclass with another attention (models/deepseek.py) names its own
-    has_decode_stack = True  # whether kernels.DecodeStack (Llama's attention) can run its decodes
+    # a family with other blocks (GLM-4's extra norms: models/glm4.py; DeepSeek's MLA: models/deepseek.py)
+    layer_class = DecoderLayer
 
     @staticmethod
     def kv_cache_spec(arch: ArchConfig) -> KvCacheSpec:
@@ -130,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
-        self.layers = nn.ModuleList(self.decoder_layer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         has_own_head = arch.has_lm_head and not arch.tie_word_embeddings
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False) if has_own_head else None
@@ -150,9 +160,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _make_rotary(self, freq_factors: torch.Tensor | None) -> RotaryEmbedding:
         arch = self.arch
-        inv_freq = rope_inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors)
+        inv_freq = rope_inverse_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling, freq_factors)
         return RotaryEmbedding(
-            arch.head_dim, self.max_positions, inv_freq, rope_attention_factor(arch.rope_scaling)
+            arch.head_dim,
+            self.max_positions,
+            inv_freq,
+            rope_attention_factor(arch.rope_scaling),
+            interleaved=arch.rope_interleaved,
         )
 
     def forward(
@@ -244,10 +258,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
-        if self.has_decode_stack:
-            self.decode_stack = make_decode_stack(
-                self, kernels, kv_caches, block_size, int8_batch_activations
-            )
+        self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP

@@ -45,35 +45,3 @@ class MlaArch:
             q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
             rope_interleave=architecture == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
         )
-
-
-def deepseek_moe_keys(cfg: dict) -> dict:
-    """DeepSeek's expert keys as MoeArch's arguments (transformers' DeepseekV2/V3 configs), or {} for a
-    config without routed experts (every MLP dense)."""
-    num_layers = int(cfg["num_hidden_layers"])
-    first_sparse = int(cfg.get("first_k_dense_replace") or 0)
-    if not cfg.get("n_routed_experts") or first_sparse >= num_layers:
-        return {}
-    top_k, num_experts = int(cfg["num_experts_per_tok"]), int(cfg["n_routed_experts"])
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-    # transformers' DeepseekV2TopkRouter never renormalizes (norm_topk_prob is V3's); both scale the weights
-    # by routed_scaling_factor.
-    is_v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
-    scaling = float(cfg.get("routed_scaling_factor") or 1.0)
-    if is_v3 or cfg.get("topk_method", "greedy") != "greedy" or scaling != 1.0:
-        # NOTE: V3's sigmoid router (correction bias, group-limited top-k) and the routed scaling come with
-        # runner/moe.py's router features; until then such a checkpoint is refused, not run wrongly.
-        raise ValueError(
-            "DeepSeek routing other than V2's greedy softmax top-k with routed_scaling_factor 1 is not supported yet"
-        )
-    width = int(cfg["moe_intermediate_size"])
-    return {
-        "num_experts": num_experts,
-        "top_k": top_k,
-        "expert_intermediate_size": width,
-        "renormalize": is_v3 and bool(cfg.get("norm_topk_prob", False)),
-        "dense_layers": frozenset(range(first_sparse)),
-        "shared_expert_intermediate_size": width * int(cfg.get("n_shared_experts") or 0),
-        "shared_expert_gated": False,  # added to the routed sum as it is
-    }

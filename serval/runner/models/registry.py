@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-# architecture name -> (module, class). Mistral, Qwen, gpt-oss and the MoE forms differ from Llama only in
-# ArchConfig.
+# architecture name -> (module, class). Mistral, Qwen, gpt-oss, MiniMax-M2 and the MoE forms differ from Llama
+# only in ArchConfig.
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
@@ -27,6 +27,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
+    # GLM's: the same decoder with partial RoPE, and GLM-4's extra norms (models/glm4.py).
+    "Glm4ForCausalLM": ("serval.runner.models.glm4", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("serval.runner.models.glm4", "Glm4MoeForCausalLM"),
     # Multi-head latent attention (runner/mla.py), dense and sparse layers.
     "DeepseekV2ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
