@@ -168,3 +168,33 @@ def _collect(engine: Engine, results: dict) -> None:
         tokens, logprobs = results[output.request_id]
         tokens += output.new_token_ids
         logprobs += [lp.logprob for lp in output.new_logprobs or []]
+
+
+def test_the_bench_shape_of_deepseek_v2_lite_writes_and_serves_down_scaled(tmp_path, monkeypatch):
+    # bench/make_model.py's deepseek-v2-lite with its layer tables, metadata and 102400-token vocabulary, but
+    # a tiny width: serval reads it as DeepSeek-V2 (a dense first layer, then 8 routed and 2 shared experts).
+    import dataclasses
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    from make_model import WEIGHT_TYPES, write_model
+    from model_shapes import DEEPSEEK_V2_LITE, SHAPES, MlaShape
+
+    assert SHAPES["deepseek-v2-lite"] is DEEPSEEK_V2_LITE
+    shape = dataclasses.replace(
+        DEEPSEEK_V2_LITE, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2, num_kv_heads=2,
+        num_experts=8, num_experts_used=2, expert_intermediate_size=32, mla=MlaShape(512, 32, 64, 32),
+    )  # fmt: skip
+    path = str(tmp_path / "deepseek-v2-lite-small.gguf")
+    write_model(path, shape, WEIGHT_TYPES["Q8_0"], seed=0)
+    engine = Engine(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=16)))
+    arch = engine.runner.arch
+    assert (arch.architecture, arch.vocab_size, arch.num_layers) == ("DeepseekV2ForCausalLM", 102400, 3)
+    assert (arch.mla.kv_lora_rank, arch.mla.qk_nope_head_dim, arch.mla.v_head_dim, arch.mla.q_lora_rank) == (
+        512, 32, 32, None,
+    )  # fmt: skip
+    assert arch.moe.dense_layers == {0} and arch.moe.top_k == 2
+    assert arch.moe.shared_experts_intermediate_size == 64
+    assert engine.runner.kv_caches[0][0].shape[1:] == (1, 576)
+    (tokens,) = _greedy(engine, [PROMPTS[1]], max_tokens=4)
+    assert len(tokens) == 4
