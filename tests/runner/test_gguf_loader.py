@@ -147,7 +147,8 @@ def test_unknown_architecture_names_it(tmp_path) -> None:
 
     for read in (read_gguf_config, lambda p: next(iter_gguf_weights(p))):
         with pytest.raises(
-            UnsupportedArchitectureError, match="'mamba'.*llama, qwen2, qwen2moe, qwen3, qwen3moe"
+            UnsupportedArchitectureError,
+            match="'mamba'.*glm4, glm4moe, gpt-oss, llama, minimax-m2, qwen2, qwen2moe, qwen3, qwen3moe",
         ):
             read(str(path))
 

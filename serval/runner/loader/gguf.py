@@ -26,9 +26,9 @@ from serval.runner.loader.dequant import (
     dequantize,
     is_supported,
 )
-from serval.runner.loader.gguf_deepseek import SPLIT_KV_B_PARTS, KvBJoiner, deepseek2_config, yarn_mscale_keys
+from serval.runner.loader.gguf_deepseek import deepseek2_config, yarn_mscale_keys
 from serval.runner.loader.gguf_file import GGUFFile
-from serval.runner.loader.gguf_names import hf_matrix_names
+from serval.runner.loader.gguf_names import SPLIT_KV_B_PARTS, hf_matrix_names
 from serval.runner.loader.gguf_pack import NativeRepack, packed_from_blocks, unpermute_rows
 from serval.runner.quantization import PackedWeight, sixteen_bit_form
 
@@ -41,22 +41,43 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
         "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
         "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
-        # DeepSeek-V2 and V3 (and Kimi-K2): which one, gguf_deepseek.py reads from the router's kind
-        "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
+        "glm4": ("Glm4ForCausalLM", "glm4"),
+        # transformers' GLM (GLM-4-9B-chat-hf); with q/k/v fused (attn_qkv), THUDM's ChatGLM2/3: _CHATGLM
+        "chatglm": ("GlmForCausalLM", "glm"),
+        "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+        "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2"),
+        "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # or V3 (gguf_deepseek.py: the router's kind)
     }
 )
 # llama.cpp writes Mixtral as llama with experts.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# ChatGLM2/3's files keep its fused q/k/v (blk.N.attn_qkv); model_type glm: the keys below are transformers'.
+_CHATGLM = ("ChatGLMModel", "glm")
 # Whether the routing weights are renormalized over the chosen experts when the file has no
 # {arch}.expert_weights_norm (llama.cpp's defaults per architecture).
 _RENORMALIZES_BY_DEFAULT = MappingProxyType({"llama": True, "qwen2moe": False, "qwen3moe": True})
 # Architectures whose experts are feed_forward_length wide in Hugging Face's config (intermediate_size).
-_EXPERT_WIDTH_IS_INTERMEDIATE = frozenset({"llama", "gpt-oss"})
+_EXPERT_WIDTH_IS_INTERMEDIATE = frozenset({"llama", "gpt-oss", "minimax-m2"})
+# DeepSeek-style routing keys -> their Hugging Face config keys (absent: the family's defaults).
+_ROUTER_KEYS = MappingProxyType(
+    {
+        "expert_shared_count": "n_shared_experts",
+        "leading_dense_block_count": "first_k_dense_replace",
+        "expert_weights_scale": "routed_scaling_factor",
+        "expert_group_count": "n_group",
+        "expert_group_used_count": "topk_group",
+    }
+)
 # YaRN's `truncate` (GGUF has no key for it): gpt-oss's config.json says false, transformers' default is true.
 _YARN_TRUNCATES = MappingProxyType({"gpt-oss": False})
 # Architectures whose converter interleaves the two rotary halves of every q/k head
 # (gguf_pack.unpermute_rows undoes it).
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+
+# The routers' scoring function (llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid): a fact of the
+# architecture here (MoeArch.scoring), checked against the file.
+_GATING_OF_ARCHITECTURE = MappingProxyType({"glm4moe": 2, "minimax-m2": 2})
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -110,6 +131,13 @@ def _moe_config(reader: GGUFFile, arch: str, num_layers: int, tensor_names: set[
     shared = metadata_value(reader, f"{arch}.expert_shared_feed_forward_length")
     if shared:
         config["shared_expert_intermediate_size"] = shared
+    for gguf_key, hf_key in _ROUTER_KEYS.items():
+        value = metadata_value(reader, f"{arch}.{gguf_key}")
+        if value is not None:
+            config[hf_key] = _float(value) if isinstance(value, float) else value
+    gating = metadata_value(reader, f"{arch}.expert_gating_func")
+    if gating is not None and arch != "deepseek2" and int(gating) != _GATING_OF_ARCHITECTURE.get(arch, 1):
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating} is not the one serval runs for {arch}")
     if arch in _EXPERT_WIDTH_IS_INTERMEDIATE:
         config["intermediate_size"] = config["moe_intermediate_size"]
     return config
@@ -152,8 +180,7 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
             value = metadata_value(reader, f"{arch}.rope.scaling.{gguf_key}")
             if value is not None:
                 scaling[hf_key] = value if isinstance(value, int) else _float(value)
-        log_multiplier = metadata_value(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
-        return scaling | yarn_mscale_keys(None if log_multiplier is None else _float(log_multiplier))
+        return scaling | yarn_mscale_keys(metadata_value(reader, f"{arch}.rope.scaling.yarn_log_multiplier"))
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
@@ -177,9 +204,15 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         if not tokens:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab_size = len(tokens)
-    num_layers = required("block_count")
+    # GLM-4.5's files count its multi-token-prediction layer among the blocks; it is not served
+    num_nextn = metadata_value(reader, f"{arch}.nextn_predict_layers", 0)
+    num_layers = required("block_count") - num_nextn
     moe = _moe_config(reader, arch, num_layers, tensor_names)
-    class_name, model_type = _MIXTRAL if arch == "llama" and moe else _ARCHITECTURES[arch]
+    class_name, model_type = _ARCHITECTURES[arch]
+    if arch == "llama" and moe:
+        class_name, model_type = _MIXTRAL
+    elif arch == "chatglm" and "blk.0.attn_qkv.weight" in tensor_names:
+        class_name, model_type = _CHATGLM
     feed_forward = metadata_value(reader, f"{arch}.feed_forward_length")
     if feed_forward is None and not moe:
         raise ValueError(f"GGUF metadata has no {arch}.feed_forward_length")
@@ -200,17 +233,29 @@ def config_from_reader(reader: GGUFFile) -> dict[str, Any]:
         "vocab_size": vocab_size,
         # llama.cpp writes output.weight only when the head is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names or "blk.0.attn_output.bias" in tensor_names,
+        "attention_bias": bool(
+            {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias", "blk.0.attn_output.bias"} & tensor_names
+        ),
         "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id"),
     }
     config.update(moe)
-    if arch == "deepseek2":
-        config.update(
-            deepseek2_config(
-                lambda key, default: metadata_value(reader, f"{arch}.{key}", default), tensor_names
-            )
-        )
+    config.update(_optional_config(reader, arch, tensor_names))
+    if num_nextn:
+        config["num_nextn_predict_layers"] = num_nextn
+    return config
+
+
+def _optional_config(reader: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """The config keys a file may or may not have: partial RoPE, q/k norms, padding, rope scaling, window."""
+    config: dict[str, Any] = {}
+    rotary_dim = metadata_value(reader, f"{arch}.rope.dimension_count")
+    if rotary_dim is not None:  # partial RoPE where smaller than the head
+        config["rotary_dim"] = rotary_dim
+    if "blk.0.attn_q_norm.weight" in tensor_names:  # GLM-4.5's q/k norms are optional (use_qk_norm)
+        config["use_qk_norm"] = True
+    if arch == "deepseek2":  # MLA's shapes, and V2 or V3
+        config.update(deepseek2_config(reader.metadata, tensor_names))
     pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
@@ -245,19 +290,21 @@ _SIXTEEN_BIT_TYPES = frozenset({GGMLQuantizationType.F16, GGMLQuantizationType.B
 
 def packable_tensor_names(reader: GGUFFile) -> frozenset[str]:
     """The Hugging Face names of the file's matrices the quantized kernels run from their stored form."""
-    return frozenset(name for t in reader.tensors if _is_packable_matrix(t) for name in hf_matrix_names(t))
+    arch = metadata_value(reader, "general.architecture", "")
+    return frozenset(
+        name for t in reader.tensors if _is_packable_matrix(t) for name in hf_matrix_names(t, arch)
+    )
 
 
 def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
     """The GGML block type (Q4_0 ... Q6_K) of each matrix stored in one, by Hugging Face name."""
+    arch = metadata_value(reader, "general.architecture", "")
     return MappingProxyType(
         {
             name: int(t.tensor_type)
             for t in reader.tensors
-            if len(t.shape) in (2, 3)
-            and t.tensor_type in BLOCK_CODE_TYPES
-            and t.name.split(".")[-2] not in SPLIT_KV_B_PARTS
-            for name in hf_matrix_names(t)
+            if _is_packable_matrix(t) and t.tensor_type in BLOCK_CODE_TYPES
+            for name in hf_matrix_names(t, arch)
         }
     )
 
@@ -268,7 +315,7 @@ def _is_packable_matrix(tensor) -> bool:
     return (
         len(tensor.shape) in (2, 3)
         and tensor.name.endswith(".weight")
-        and tensor.name.split(".")[-2] not in SPLIT_KV_B_PARTS  # joined into kv_b_proj, which stays dense
+        and tensor.name.split(".")[-2] not in SPLIT_KV_B_PARTS  # joined into kv_b_proj: dense
         and (tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES)
     )
 
@@ -302,22 +349,17 @@ def iter_gguf_weights(
     # the architecture, names and types are checked up front, so a bad file fails before minutes of
     # dequantizing, not after
     _architecture(reader)
-    names = [hf_matrix_names(tensor) for tensor in reader.tensors]
+    arch = metadata_value(reader, "general.architecture")
+    names = [hf_matrix_names(tensor, arch) for tensor in reader.tensors]
     _check_types(path, reader)
     config = config_from_reader(reader)
     is_permuted = metadata_value(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
     # rows of q_proj are grouped by query head, rows of k_proj by key/value head
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = progress(reader.tensors, desc="loading GGUF weights", unit="tensor")
-    kv_b = KvBJoiner()
     for matrix_names, tensor in zip(names, tensors):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF ne is fastest-first; torch is last
         part = tensor.name.split(".")[-2]  # "blk.0.attn_q.weight" -> "attn_q"
-        if part in SPLIT_KV_B_PARTS:
-            joined = kv_b.add(matrix_names[0], part, dequantize(tensor.data, tensor.tensor_type, shape))
-            yield from [] if joined is None else [joined]
-            reader.release_pages(tensor.data_offset, tensor.n_bytes)
-            continue
         heads = heads_of[part] if is_permuted and part in heads_of else None
         packable = packed_forms is not None and _is_packable_matrix(tensor)
         # A 3-D tensor is one matrix per expert (its data's first axis), each yielded under its own name (a

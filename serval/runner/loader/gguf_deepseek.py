@@ -4,27 +4,29 @@ keys and weights.
 llama.cpp's converter writes MLA's shapes as attention.{q,kv}_lora_rank, key/value_length(_mla), the dense
 lead as leading_dense_block_count, the experts as expert_{shared_count, weights_scale, weights_norm,
 gating_func} (V3's sigmoid router adds exp_probs_b, its correction bias), and YaRN's mscale as
-rope.scaling.yarn_log_multiplier (0.1 mscale_all_dim). Newer files split kv_b_proj into attn_k_b (each head's
-W_UK transposed) and attn_v_b; they are joined back here. RoPE needs no row permutation: the checkpoint's
-pairs are what llama.cpp rotates.
+rope.scaling.yarn_log_multiplier (0.1 mscale_all_dim); its gating function (softmax or sigmoid) says V2 or V3.
+Newer files split kv_b_proj into attn_k_b and attn_v_b (gguf_names.py names them a head at a time,
+models/deepseek.py joins them). RoPE needs no row permutation: the checkpoint's pairs are what llama.cpp
+rotates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-import torch
+import numpy as np
 
 # llama.cpp's LLM_EXPERT_GATING_FUNC_TYPE
 _SIGMOID_GATING = 2
-# The two halves of a split kv_b_proj, by their Hugging Face stand-in names (gguf_names.py).
-SPLIT_KV_B_PARTS = ("attn_k_b", "attn_v_b")
 
 
-def deepseek2_config(value: Callable[[str, Any], Any], tensor_names: set[str]) -> dict[str, Any]:
-    """The config.json keys of a deepseek2 file beyond the common ones; value(key, default) reads
-    `deepseek2.{key}`."""
+def deepseek2_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The config.json keys of a deepseek2 file (its metadata, decoded) beyond the common ones."""
+
+    def value(key: str, default: Any) -> Any:
+        return metadata.get(f"deepseek2.{key}", default)
+
     rope_dim = int(value("rope.dimension_count", 64))
     kv_lora_rank = int(value("attention.kv_lora_rank", 512))
     # Files since MLA's absorbed form write key_length = the latent's and key_length_mla = a head's q.k width.
@@ -41,19 +43,12 @@ def deepseek2_config(value: Callable[[str, Any], Any], tensor_names: set[str]) -
         "v_head_dim": int(value_length),
         "first_k_dense_replace": int(value("leading_dense_block_count", 0)),
     }
-    num_experts = value("expert_count", 0)
-    if num_experts:
-        config |= {
-            "n_routed_experts": int(num_experts),
-            "n_shared_experts": int(value("expert_shared_count", 0)),
-            "routed_scaling_factor": float(value("expert_weights_scale", 1.0)),
-            "norm_topk_prob": bool(value("expert_weights_norm", False)),
-            "n_group": int(value("expert_group_count", 1)),
-            "topk_group": int(value("expert_group_used_count", 1)),
-        }
-        # V3's groups are ranked by their top-2 sum (noaux_tc), V2's by their best score
-        grouped = "noaux_tc" if is_v3 else "group_limited_greedy"
-        config["topk_method"] = grouped if config["n_group"] > 1 else "greedy"
+    if value("expert_count", 0):
+        # The experts' keys are read as every family's (gguf.py's _moe_config); what deepseek2 decides itself:
+        # no renormalization unless the file says so (llama.cpp's default), and the kind of group ranking.
+        config["norm_topk_prob"] = bool(value("expert_weights_norm", False))
+        grouped = "noaux_tc" if is_v3 else "group_limited_greedy"  # top-2 sum, or best score, per group
+        config["topk_method"] = grouped if int(value("expert_group_count", 1)) > 1 else "greedy"
     return config
 
 
@@ -63,25 +58,5 @@ def yarn_mscale_keys(log_multiplier: float | None) -> dict[str, float]:
     terms (DeepSeek's configs give them equal)."""
     if not log_multiplier:
         return {}
-    mscale = float(log_multiplier) / 0.1
+    mscale = float(str(np.float32(log_multiplier))) / 0.1  # the float32 as written (0.0707, not 0.07069...)
     return {"mscale": mscale, "mscale_all_dim": mscale}
-
-
-class KvBJoiner:
-    """Joins a layer's attn_k_b ((heads, kv_lora_rank, qk_nope): W_UK transposed) and attn_v_b ((heads,
-    v_head, kv_lora_rank)) back into kv_b_proj's (heads * (qk_nope + v_head), kv_lora_rank) rows, whichever
-    comes first."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, tuple[str, torch.Tensor]] = {}
-
-    def add(self, hf_name: str, part: str, weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        target = hf_name.rsplit(".", 2)[0] + ".kv_b_proj.weight"  # model.layers.N.self_attn.kv_b_proj.weight
-        other = self.pending.pop(target, None)
-        if other is None:
-            self.pending[target] = (part, weight)
-            return None
-        halves = dict([other, (part, weight)])
-        w_uk, w_uv = halves["attn_k_b"].transpose(1, 2), halves["attn_v_b"]
-        joined = torch.cat([w_uk, w_uv], dim=1)  # (heads, qk_nope + v_head, kv_lora_rank)
-        return target, joined.reshape(-1, joined.shape[-1]).contiguous()

@@ -90,6 +90,8 @@ class ArchConfig:
                 # defaults (no hidden_size, no layer count): transformers fills in the rest, so do we.
                 text = {**_QWEN2_CONFIG_DEFAULTS, **text}
             cfg = {**text, **cfg}
+        if cfg.get("model_type") == "chatglm":
+            cfg = _chatglm_as_hf(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
@@ -154,8 +156,8 @@ _USE_QK_NORM_DECODERS = frozenset({"Glm4MoeForCausalLM"})
 _QK_NORM_OVER_HEADS_DECODERS = frozenset({"MiniMaxM2ForCausalLM"})
 # GLM-4 and GLM-4.5: q/k/v biases (attention_bias) but none on o, and half the head rotary unless the config
 # says otherwise (transformers' default partial_rotary_factor); GLM-4 turns adjacent dims together.
-_GLM_DECODERS = frozenset({"Glm4ForCausalLM", "Glm4MoeForCausalLM"})
-_INTERLEAVED_ROPE_DECODERS = frozenset({"Glm4ForCausalLM"})
+_GLM_DECODERS = frozenset({"GlmForCausalLM", "ChatGLMModel", "Glm4ForCausalLM", "Glm4MoeForCausalLM"})
+_INTERLEAVED_ROPE_DECODERS = frozenset({"GlmForCausalLM", "ChatGLMModel", "Glm4ForCausalLM"})
 # Architectures with a learned attention sink logit per head.
 _SINK_DECODERS = frozenset({"GptOssForCausalLM"})
 # Architectures whose sliding_window, without layer_types, applies to every layer (transformers' Mistral).
@@ -272,6 +274,41 @@ def _rope_theta(cfg: dict) -> float:
     # transformers 5 nests it under rope_parameters.
     params = cfg.get("rope_parameters") or {}
     return params.get("rope_theta", 10000.0)
+
+
+def _chatglm_as_hf(cfg: dict) -> dict:
+    """THUDM's ChatGLMConfig (ChatGLM2/3, GLM-4-9B-chat's remote code) in transformers' keys; ValueError for
+    the first ChatGLM-6B (2-D positions, GeLU) or a variant of the block serval does not compute."""
+    if "padded_vocab_size" not in cfg or "ffn_hidden_size" not in cfg:
+        raise ValueError(
+            "ChatGLM-6B (the first version: 2-D positions, GeLU) is not supported; ChatGLM2/3 are"
+        )
+    expected = {
+        "rmsnorm": True, "post_layer_norm": True, "add_bias_linear": False, "original_rope": True,
+        "apply_residual_connection_post_layernorm": False,
+    }  # fmt: skip
+    differing = sorted(key for key, value in expected.items() if cfg.get(key, value) != value)
+    if differing:
+        raise ValueError(
+            f"ChatGLM configs with {', '.join(differing)} other than ChatGLM3's are not supported"
+        )
+    num_heads, hidden_size = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    return {
+        **cfg,
+        "intermediate_size": cfg["ffn_hidden_size"],
+        "num_hidden_layers": cfg["num_layers"],
+        "num_key_value_heads": cfg["multi_query_group_num"]
+        if cfg.get("multi_query_attention")
+        else num_heads,
+        "head_dim": cfg.get("kv_channels") or hidden_size // num_heads,
+        "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+        # modeling_chatglm's RotaryEmbedding(kv_channels // 2): the first half of each head, base x rope_ratio
+        "rope_theta": 10000.0 * float(cfg.get("rope_ratio") or 1.0),
+        "partial_rotary_factor": 0.5,
+        "max_position_embeddings": cfg.get("seq_length", 2048),
+        "vocab_size": cfg["padded_vocab_size"],
+        "attention_bias": cfg.get("add_qkv_bias", True),
+    }
 
 
 def _rotary_dim(architecture: str, cfg: dict, head_dim: int) -> int:

@@ -9,7 +9,9 @@ one latent row a token per layer (kv_cache_spec), which the runner allocates as 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
+import torch
 from torch import nn
 
 from serval.runner.attention.backend import KvCacheSpec
@@ -20,6 +22,9 @@ from serval.runner.models.llama import DecoderLayer, LlamaForCausalLM
 from serval.runner.moe import SparseMoe
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# A GGUF's split kv_b_proj, a matrix a head (loader/gguf_names.py): attn_k_b.H (kv_lora_rank, qk_nope), head
+# H's W_UK transposed, and attn_v_b.H (v_head, kv_lora_rank)
+_SPLIT_KV_B = re.compile(r"(?P<attn>.*\.self_attn)\.attn_(?P<part>[kv])_b\.(?P<head>\d+)\.weight")
 
 
 class DeepseekDecoderLayer(DecoderLayer):
@@ -50,6 +55,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """One row a token: [c_kv, roped key], its first kv_lora_rank values the value."""
         return KvCacheSpec(1, arch.mla.latent_dim, latent_value_dim=arch.mla.kv_lora_rank)
 
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return super()._per_expert(_joined_kv_b(weights, self.arch.num_heads))
+
     def weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
         name = hf_name.removeprefix("model.")
         layer = _LAYER.match(name)
@@ -57,5 +65,23 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             return None  # V3's multi-token-prediction layers (num_nextn_predict_layers) are not run
         if ".self_attn." in name:
             return name, None  # no fused q/k/v: MLA's projections are loaded as they are
-        # GGUF's ffn_*_shexp come named as Qwen2-MoE's one gated shared expert; DeepSeek's are ungated
-        return super().weight_target(name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+        return super().weight_target(name)
+
+
+def _joined_kv_b(
+    weights: Iterable[tuple[str, torch.Tensor]], num_heads: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, with a split kv_b_proj's per-head halves joined back into kv_b_proj (each head's rows
+    [W_UK; W_UV], as a checkpoint holds them) once all of a layer's have come."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = _SPLIT_KV_B.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        halves = pending.setdefault(match["attn"], {})
+        halves[match["part"] + match["head"]] = tensor
+        if len(halves) == 2 * num_heads:
+            rows = [torch.cat([halves[f"k{h}"].t(), halves[f"v{h}"]]) for h in range(num_heads)]
+            yield f"{match['attn']}.kv_b_proj.weight", torch.cat(rows)
+            del pending[match["attn"]]

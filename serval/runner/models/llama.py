@@ -2,7 +2,7 @@
 and their mixture-of-experts forms: Mixtral, Qwen2-MoE, Qwen3-MoE (a sparse MLP, runner/moe.py, in some or
 all layers) and gpt-oss (q/k/v/o biases, a learned attention sink per head, sliding-window attention on
 alternate layers, YaRN RoPE, biased experts with a clamped SwiGLU) and MiniMax-M2 (q/k norms over all heads,
-partial RoPE, sigmoid routing with a correction bias). GLM-4 and GLM-4.5 subclass it (models/glm4.py).
+partial RoPE, sigmoid routing with a correction bias). GLM-4 and GLM-4.5 subclass it (models/glm.py).
 
 These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
 names and are packed into fused q/k/v and gate/up matrices (and stacked expert matrices) as they load.
@@ -123,7 +123,7 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    # a family with other blocks (GLM-4's extra norms: models/glm4.py; DeepSeek's MLA: models/deepseek.py)
+    # a family with other blocks (GLM-4's extra norms: models/glm.py; DeepSeek's MLA: models/deepseek.py)
     layer_class = DecoderLayer
 
     @staticmethod

@@ -28,9 +28,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "GptOssForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
     "MiniMaxM2ForCausalLM": ("serval.runner.models.llama", "LlamaForCausalLM"),
-    # GLM's: the same decoder with partial RoPE, and GLM-4's extra norms (models/glm4.py).
-    "Glm4ForCausalLM": ("serval.runner.models.glm4", "Glm4ForCausalLM"),
-    "Glm4MoeForCausalLM": ("serval.runner.models.glm4", "Glm4MoeForCausalLM"),
+    # GLM's: the same decoder with partial RoPE, and GLM-4's extra norms (models/glm.py).
+    "GlmForCausalLM": ("serval.runner.models.glm", "GlmForCausalLM"),
+    "ChatGLMModel": ("serval.runner.models.glm", "ChatGlmForCausalLM"),  # THUDM's ChatGLM2/3 (remote code)
+    "Glm4ForCausalLM": ("serval.runner.models.glm", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("serval.runner.models.glm", "Glm4MoeForCausalLM"),
     # Multi-head latent attention (runner/mla.py), dense and sparse layers.
     "DeepseekV2ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
