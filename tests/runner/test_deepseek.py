@@ -198,3 +198,9 @@ def test_the_bench_shape_of_deepseek_v2_lite_writes_and_serves_down_scaled(tmp_p
     assert engine.runner.kv_caches[0][0].shape[1:] == (1, 576)
     (tokens,) = _greedy(engine, [PROMPTS[1]], max_tokens=4)
     assert len(tokens) == 4
+
+
+def test_lora_is_refused_at_start_up(tiny_model_factory):
+    directory, _ = tiny_model_factory("deepseek_v2", False)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        _engine(directory).runner.model.lora_layout()

@@ -55,6 +55,10 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """One row a token: [c_kv, roped key], its first kv_lora_rank values the value."""
         return KvCacheSpec(1, arch.mla.latent_dim, latent_value_dim=arch.mla.kv_lora_rank)
 
+    def lora_layout(self) -> dict[str, tuple[str, int, int]]:
+        # NOTE: refused at start-up rather than half served: Llama's layout names fused q/k/v rows MLA lacks.
+        raise ValueError(f"LoRA adapters are not supported for {self.arch.architecture} (latent attention)")
+
     def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         return super()._per_expert(_joined_kv_b(weights, self.arch.num_heads))
 
