@@ -201,6 +201,13 @@ def test_the_bench_shape_of_deepseek_v2_lite_writes_and_serves_down_scaled(tmp_p
 
 
 def test_lora_is_refused_at_start_up(tiny_model_factory):
+    from serval.config import LoraConfig
+
     directory, _ = tiny_model_factory("deepseek_v2", False)
-    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
-        _engine(directory).runner.model.lora_layout()
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32"),
+        cache=CacheConfig(num_blocks=16),
+        lora=LoraConfig(enable_lora=True),
+    )
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepseekV2ForCausalLM"):
+        Engine(config)
