@@ -14,7 +14,13 @@ from serval.runner.moe import SparseMoe
 from serval.sampling import SamplingParams
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
-DEEPSEEK = ["deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3", "deepseek_v3_no_q_lora"]
+DEEPSEEK = [
+    "deepseek_v2",
+    "deepseek_v2_q_lora",
+    "deepseek_v3",
+    "deepseek_v3_no_q_lora",
+    "deepseek_v3_rope_halves",
+]
 
 
 def _assert_logits_match(engine: Engine, reference, ends=(1, None)) -> None:
@@ -95,9 +101,9 @@ def test_a_prompt_split_by_chunks_or_a_prefix_hit_equals_one_pass(tiny_model_fac
 
 
 @pytest.mark.parametrize("split_kv_b", [False, True])  # kv_b_proj whole, or as attn_k_b + attn_v_b
-# NOTE: not deepseek_v3_no_q_lora: llama.cpp rotates the checkpoint's pairs, so rope_interleave false has no
+# NOTE: not deepseek_v3_rope_halves: llama.cpp rotates the checkpoint's pairs, so rope_interleave false has no
 # GGUF form without a converter permuting rows (no released checkpoint says false).
-@pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3"])
+@pytest.mark.parametrize("architecture", DEEPSEEK[:-1])
 def test_gguf_matches_transformers(tiny_model_factory, tmp_path, architecture, split_kv_b):
     # llama.cpp's deepseek2 layout: MLA's attn_q_a/attn_kv_a_mqa/... names, leading_dense_block_count, the
     # expert_* keys, YaRN's mscale as yarn_log_multiplier. A file without experts cannot say V2 from V3 (their
