@@ -9,6 +9,7 @@ import torch
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
+from serval.runner import runner as runner_module
 from serval.runner.mla import LatentAttention
 from serval.runner.moe import SparseMoe
 from serval.sampling import SamplingParams
@@ -42,6 +43,31 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, architecture):
     assert layers[1].mlp.shared_experts is not None and layers[1].mlp.shared_expert is None
     _assert_logits_match(engine, reference, ends=(1, 5, None))
     assert_greedy_matches(engine, reference, PROMPTS, max_tokens=10)
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v3"])
+def test_without_native_kernels_the_sdpa_backend_matches_transformers(
+    tiny_model_factory, monkeypatch, architecture
+):
+    # No kernels built: PyTorch everywhere and SDPA's latent attention (a CUDA device's path today).
+    monkeypatch.setattr(runner_module, "load_cpu_kernels", lambda *args, **kwargs: None)
+    directory, reference = tiny_model_factory(architecture, False)
+    engine = _engine(directory)
+    assert engine.runner.attention_backend.name == "sdpa"
+    _assert_logits_match(engine, reference)
+    assert_greedy_matches(engine, reference, PROMPTS[:2], max_tokens=6)
+
+
+def test_bf16_stays_near_fp32(tiny_model_factory):
+    directory, reference = tiny_model_factory("deepseek_v3", False)
+    engine = Engine(
+        EngineConfig(model=ModelConfig(model=directory, dtype="bfloat16"), cache=CacheConfig(num_blocks=64))
+    )
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (_serval_logits(engine, prompt) - theirs).abs().max().item() < 0.05
 
 
 @pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v2_q_lora"])
