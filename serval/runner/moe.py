@@ -149,8 +149,9 @@ class SparseMoe(nn.Module):
             self.router_weight = router.weight.detach().float().contiguous()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts and their weights: (num_tokens, top_k) int64 ids and fp32 weights, the
-        heaviest first. Ties go to the lower expert id (a stable sort); with the native router the scores
+        """Each token's experts and their weights: (num_tokens, top_k) int64 ids and fp32 weights, in the
+        order of the choice (the scores, plus the correction bias where there is one: then not always the
+        heaviest first). Ties go to the lower expert id (a stable sort); with the native router the scores
         are the same bits whatever the batch, so the choice is too."""
         if self.router_kernel is not None:
             logits = self.router_kernel(x, self.router_weight)
