@@ -52,7 +52,8 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.v_head_dim = mla.qk_nope_head_dim, mla.v_head_dim
         self.rope_interleave = mla.rope_interleave
         q_size = arch.num_heads * mla.qk_head_dim
-        if mla.q_lora_rank is None:
+        self.has_q_lora = mla.q_lora_rank is not None  # the query through q_a_proj, its norm, q_b_proj
+        if not self.has_q_lora:
             self.q_proj = Linear(arch.hidden_size, q_size, bias=False)
         else:
             self.q_a_proj = Linear(arch.hidden_size, mla.q_lora_rank, bias=arch.attention_bias)
@@ -92,10 +93,10 @@ class LatentAttention(nn.Module):
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # (num_tokens, hidden_size)
         num_tokens = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x, lora)
-        else:
+        if self.has_q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, lora)), lora)
+        else:
+            q = self.q_proj(x, lora)
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x, lora).split([self.kv_lora_rank, self.rope_dim], dim=-1)
