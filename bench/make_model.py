@@ -124,7 +124,7 @@ def plan_tensors(shape: ModelShape, vocab_size: int, weight_type: WeightType) ->
         more_bits = use_more_bits(layer, shape.num_layers)
         plans.extend(
             plan(f"blk.{layer}.{part}", dim_names, role, more_bits and part in MORE_BITS_PARTS)
-            for part, dim_names, role in shape.arch.layer
+            for part, dim_names, role in shape.arch.layer_table(layer, shape.num_dense_layers)
         )
     plans.append(plan("output_norm.weight", ("hidden",), NORM))
     if not shape.tie_word_embeddings:
@@ -165,8 +165,10 @@ def add_metadata(
     writer.add_head_count_kv(shape.num_kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if shape.mla is not None:
+        add_mla_metadata(writer, shape)
     # llama.cpp's head size defaults to hidden / heads; Qwen3 (128, not 64) and gpt-oss (64, not 45) differ
-    if shape.head_dim * shape.num_heads != shape.hidden_size:
+    elif shape.head_dim * shape.num_heads != shape.hidden_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.head_dim)
@@ -182,11 +184,47 @@ def add_metadata(
         writer.add_rope_scaling_orig_ctx_len(shape.yarn.original_context_length)
         writer.add_rope_scaling_yarn_beta_fast(shape.yarn.beta_fast)
         writer.add_rope_scaling_yarn_beta_slow(shape.yarn.beta_slow)
+        if shape.yarn.log_multiplier:
+            writer.add_rope_scaling_yarn_log_mul(shape.yarn.log_multiplier)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(weight_type.file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, (value, value_type, element_type) in tokenizer_fields.items():
         writer.add_key_value(key, value, value_type, sub_type=element_type)
+
+
+def add_mla_metadata(writer: gguf.GGUFWriter, shape: ModelShape) -> None:
+    """DeepSeek-V2's keys (llama.cpp's converter): MLA's sizes as a head's q.k and value widths, the dense
+    lead, the shared experts and the softmax router's settings."""
+    mla = shape.mla
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    writer.add_key_length(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    writer.add_value_length(mla.v_head_dim)
+    writer.add_leading_dense_block_count(shape.num_dense_layers)
+    writer.add_expert_shared_count(shape.num_shared_experts)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_expert_weights_norm(False)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+
+
+def padded_vocabulary(fields: dict, vocab_size: int) -> dict:
+    """The tokenizer fields with control tokens appended up to vocab_size (a shape's real vocabulary size,
+    which sets its embedding's and head's cost)."""
+    tokens, token_type, element_type = fields["tokenizer.ggml.tokens"]
+    missing = vocab_size - len(tokens)
+    if missing <= 0:
+        return fields
+    padded = dict(fields)
+    padded["tokenizer.ggml.tokens"] = (
+        [*tokens, *(f"<|pad_{i}|>" for i in range(missing))],
+        token_type,
+        element_type,
+    )
+    if "tokenizer.ggml.token_type" in fields:
+        types, types_type, types_element = fields["tokenizer.ggml.token_type"]
+        control = [int(gguf.TokenType.CONTROL)] * missing
+        padded["tokenizer.ggml.token_type"] = ([*types, *control], types_type, types_element)
+    return padded
 
 
 def generate_tensor(plan: TensorPlan, rng: np.random.Generator) -> np.ndarray:
@@ -222,7 +260,7 @@ def iter_tensor_data(plans: list[TensorPlan], seed: int) -> Iterator[np.ndarray]
 
 def write_model(path: str, shape: ModelShape, weight_type: WeightType, seed: int) -> None:
     """Write the file at `path`, one tensor in memory at a time: infos first, then each tensor's data."""
-    tokenizer_fields = read_tokenizer_fields(default_model_path())
+    tokenizer_fields = padded_vocabulary(read_tokenizer_fields(default_model_path()), shape.vocab_size)
     vocab_size = len(tokenizer_fields["tokenizer.ggml.tokens"][0])
     plans = plan_tensors(shape, vocab_size, weight_type)
     check_free_space(os.path.dirname(path), sum(plan.num_bytes for plan in plans))
@@ -254,7 +292,9 @@ def check_free_space(directory: str, num_bytes: int) -> None:
 
 def describe_plan(shape: ModelShape, weight_type: WeightType) -> str:
     """The tensor data's size and parameter counts, for --dry-run (the file adds ~1 MB of vocabulary)."""
-    vocab_size = len(read_tokenizer_fields(default_model_path())["tokenizer.ggml.tokens"][0])
+    vocab_size = max(
+        shape.vocab_size, len(read_tokenizer_fields(default_model_path())["tokenizer.ggml.tokens"][0])
+    )
     plans = plan_tensors(shape, vocab_size, weight_type)
     by_type: dict[str, int] = {}
     for plan in plans:

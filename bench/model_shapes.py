@@ -1,6 +1,7 @@
 """The model shapes bench/make_model.py writes: llama.cpp's tensors of each architecture (a layer table of
 names, dimension names and roles), how each role is filled, and the real models' dimensions (Llama 3.2
-1B/3B, Llama 2 7B, Qwen3-30B-A3B and its 12-layer cut, gpt-oss-20b, and a tiny self-check shape).
+1B/3B, Llama 2 7B, Qwen3-30B-A3B and its 12-layer cut, gpt-oss-20b, DeepSeek-V2-Lite, and a tiny self-check
+shape).
 """
 
 from __future__ import annotations
@@ -107,10 +108,38 @@ GPT_OSS_LAYER: LayerTable = (
 )
 
 
+# llama.cpp's src/models/deepseek2.cpp, as DeepSeek-V2-Lite has it (no q LoRA; kv_b_proj whole, as converters
+# wrote it before splitting it into attn_k_b / attn_v_b): multi-head latent attention, then a softmax router
+# over the routed experts beside ungated shared ones; the first leading_dense_block_count layers dense.
+_MLA_ATTENTION: LayerTable = (
+    ("attn_norm.weight", ("hidden",), NORM),
+    ("attn_q.weight", ("mla_q", "hidden"), MATRIX),
+    ("attn_kv_a_mqa.weight", ("mla_kv_a", "hidden"), MATRIX),
+    ("attn_kv_a_norm.weight", ("kv_lora",), NORM),
+    ("attn_kv_b.weight", ("mla_kv_b", "kv_lora"), MATRIX),
+    ("attn_output.weight", ("hidden", "mla_o"), MATRIX),
+    ("ffn_norm.weight", ("hidden",), NORM),
+)
+DEEPSEEK2_LAYER: LayerTable = (
+    _MLA_ATTENTION
+    + _ROUTED_EXPERTS
+    + (
+        ("ffn_gate_shexp.weight", ("shared_ffn", "hidden"), MATRIX),
+        ("ffn_up_shexp.weight", ("shared_ffn", "hidden"), MATRIX),
+        ("ffn_down_shexp.weight", ("hidden", "shared_ffn"), MATRIX),
+    )
+)
+DEEPSEEK2_DENSE_LAYER: LayerTable = _MLA_ATTENTION + LLAMA_LAYER[-3:]  # ffn_gate, ffn_up, ffn_down
+
+
 @dataclass(frozen=True)
 class Architecture:
     arch: MODEL_ARCH  # gguf-py's id: general.architecture and the tensor names llama.cpp expects
     layer: LayerTable
+    dense_layer: LayerTable = ()  # the leading dense layers' table (DeepSeek's); () : every layer is `layer`
+
+    def layer_table(self, index: int, num_dense: int) -> LayerTable:
+        return self.dense_layer if index < num_dense and self.dense_layer else self.layer
 
     @property
     def name(self) -> str:
@@ -119,7 +148,7 @@ class Architecture:
     def check_names(self) -> None:
         """Every tensor name of the layer table is one gguf-py lists for this architecture."""
         known = {gguf.TENSOR_NAMES[tensor] for tensor in gguf.MODEL_TENSORS[self.arch]}
-        for part, _, _ in self.layer:
+        for part, _, _ in self.layer + self.dense_layer:
             stem = "blk.{bid}." + part.rsplit(".", 1)[0]
             if stem not in known:
                 raise ValueError(f"{stem} is not a {self.name} tensor in gguf-py's MODEL_TENSORS")
@@ -128,6 +157,7 @@ class Architecture:
 LLAMA = Architecture(MODEL_ARCH.LLAMA, LLAMA_LAYER)
 QWEN3MOE = Architecture(MODEL_ARCH.QWEN3MOE, QWEN3MOE_LAYER)
 GPT_OSS = Architecture(MODEL_ARCH.GPT_OSS, GPT_OSS_LAYER)
+DEEPSEEK2 = Architecture(MODEL_ARCH.DEEPSEEK2, DEEPSEEK2_LAYER, DEEPSEEK2_DENSE_LAYER)
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,17 @@ class YarnScaling:
     original_context_length: int
     beta_fast: float
     beta_slow: float
+    log_multiplier: float = 0.0  # DeepSeek's 0.1 mscale_all_dim (rope.scaling.yarn_log_multiplier); 0: none
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -157,10 +198,21 @@ class ModelShape:
     expert_intermediate_size: int = 0
     sliding_window: int = 0  # 0: no sliding-window layers
     yarn: YarnScaling | None = None
+    mla: MlaShape | None = None  # DeepSeek's attention (head_dim is then the roped part's)
+    num_dense_layers: int = 0  # leading dense layers of a mixture of experts (leading_dense_block_count)
+    num_shared_experts: int = 0  # DeepSeek's ungated shared experts, each expert_intermediate_size wide
+    vocab_size: int = 0  # the token count to write, padding the default model's vocabulary; 0: as it is
 
     def dimensions(self) -> dict[str, int]:
         """The sizes the layer tables name."""
+        mla = self.mla or MlaShape(0, 0, 0, 0)
         return {
+            "kv_lora": mla.kv_lora_rank,
+            "mla_q": self.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim),
+            "mla_kv_a": mla.kv_lora_rank + mla.qk_rope_head_dim,
+            "mla_kv_b": self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            "mla_o": self.num_heads * mla.v_head_dim,
+            "shared_ffn": self.num_shared_experts * self.expert_intermediate_size,
             "hidden": self.hidden_size,
             "heads": self.num_heads,
             "head_dim": self.head_dim,
@@ -184,6 +236,13 @@ _QWEN3_30B_A3B = ModelShape(
     head_dim=128, rope_theta=1e6, tie_word_embeddings=False, context_length=40960, arch=QWEN3MOE,
     rms_norm_eps=1e-6, num_experts=128, num_experts_used=8, expert_intermediate_size=768,
 )  # fmt: skip
+DEEPSEEK_V2_LITE = ModelShape(
+    "deepseek-v2-lite", hidden_size=2048, intermediate_size=10944, num_layers=27, num_heads=16, num_kv_heads=16,
+    head_dim=64, rope_theta=10000.0, tie_word_embeddings=False, context_length=163840, arch=DEEPSEEK2,
+    rms_norm_eps=1e-6, num_experts=64, num_experts_used=6, expert_intermediate_size=1408,
+    yarn=YarnScaling(40.0, 4096, 32.0, 1.0, log_multiplier=0.0707), mla=MlaShape(512, 128, 64, 128),
+    num_dense_layers=1, num_shared_experts=2, vocab_size=102400,
+)  # fmt: skip
 SHAPES = {
     shape.name: shape
     for shape in (
@@ -201,5 +260,7 @@ SHAPES = {
             arch=GPT_OSS, rms_norm_eps=1e-5, num_experts=32, num_experts_used=4, expert_intermediate_size=2880,
             sliding_window=128, yarn=YarnScaling(32.0, 4096, 32.0, 1.0),
         ),
+        # 15.7B parameters, 2.4B active: 26 of its 27 layers have 64 experts of 1408 (top-6) beside 2 shared
+        DEEPSEEK_V2_LITE,
     )
 }  # fmt: skip

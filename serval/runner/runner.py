@@ -24,46 +24,9 @@ from serval.runner.loader.load import load_model, open_checkpoint
 from serval.runner.lora import LoraAdapter, LoraBatch, LoraSlots
 from serval.runner.media import MediaInput, MediaPrompt, media_step
 from serval.runner.parallel.shard import TensorParallelPart, plan_shard, sharded_checkpoint
+from serval.runner.placement import keeps_packed_weights, resolve_device, resolve_dtype
 from serval.runner.pooling import pool, read_pooling
 from serval.runner.sampler import Sampler
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, weight_formats: tuple[str, ...] = ()) -> torch.dtype:
-    """auto: on CUDA the checkpoint's 16-bit type as stored (fp16 where most weights are F16, else bf16)."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.float16 if weight_formats[:1] == ("F16",) else torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def keeps_packed_weights(dtype_name: str, dtype: torch.dtype, kernels, has_packable_weights: bool) -> bool:
-    """Whether a GGUF's block-quantized matrices (Q4_0 ... Q6_K) run packed in the native kernels.
-
-    Always on the bf16 path. In fp32 only when the dtype was left to `auto` (a CPU without native bf16): the
-    kernels compute in fp32 from the file's exact weights at the file's size, where a dense fp32 copy would
-    take 7x it (F16/BF16 matrices: 2x); an explicit `float32` asks for exact dense matmuls and gets them.
-    Never on CUDA (no native kernels there): block formats are dequantized once at load into the compute
-    dtype, 2 bytes a weight in bf16, 3.6x a Q4 file (docs/cuda.md, "GGUF on CUDA: the memory cost").
-    """
-    if kernels is None:
-        return False
-    return dtype == torch.bfloat16 or (dtype_name == "auto" and has_packable_weights)
 
 
 class ModelRunner:
@@ -199,6 +162,10 @@ class ModelRunner:
                 f"{arch.architecture} (a mixture of experts) is not supported with tensor parallelism"
                 " (--tensor-parallel-size): its experts are not split"
             )
+        if arch.mla is not None:
+            raise ValueError(
+                f"{arch.architecture} (latent attention) is not supported with tensor parallelism"
+            )
         if arch.o_proj_bias:
             raise ValueError(
                 f"{arch.architecture} with an attention output bias is not supported with tensor parallelism"
@@ -263,8 +230,8 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         a = self.full_arch
-        element_size = self.dtype.itemsize
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element_size
+        values = self.model.kv_cache_spec(a).values_per_token()
+        return a.num_layers * self.block_size * values * self.dtype.itemsize
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
         num_blocks = budget_bytes // self._bytes_per_block()
@@ -273,9 +240,15 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self, num_spare_blocks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        a = self.arch
-        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, a.num_kv_heads, a.head_dim)
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(a.num_layers)]
+        """Each layer's (k_cache, v_cache) as the model's KvCacheSpec says; a latent cache (MLA) is one
+        tensor, the same object in both places. num_spare_blocks: past the engine's (CUDA graphs' padding)."""
+        spec = self.model.kv_cache_spec(self.arch)
+        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, spec.num_kv_heads, spec.head_dim)
+        caches = []
+        for _ in range(self.arch.num_layers):
+            k_cache = self._zeros(shape)
+            caches.append((k_cache, k_cache if spec.is_latent else self._zeros(shape)))
+        return caches
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -298,8 +271,8 @@ class ModelRunner:
         source_rows = (sources[:, None] * self.block_size + offsets).flatten()
         destination_rows = (destinations[:, None] * self.block_size + offsets).flatten()
         for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, destination_rows, k_cache.index_select(0, source_rows))
-            v_cache.index_copy_(0, destination_rows, v_cache.index_select(0, source_rows))
+            for cache in (k_cache,) if v_cache is k_cache else (k_cache, v_cache):
+                cache.index_copy_(0, destination_rows, cache.index_select(0, source_rows))
 
     def _step_attention(self, batch: Batch) -> StepAttention:
         layout = StepLayout(

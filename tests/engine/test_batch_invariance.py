@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from serval import LLM, SamplingParams
-from serval.runner import runner as runner_module
+from serval.runner import placement
 from serval.runner.kernels import runnable_variants
 from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
 from tests.fixtures.prompts import PROMPTS
@@ -48,7 +48,7 @@ def setup(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SERVAL_KERNEL_VARIANT", variant)
         if compute == "fp32":
-            patch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+            patch.setattr(placement, "cpu_has_native_bf16", lambda: False)
         yield variant
 
 

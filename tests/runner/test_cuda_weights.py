@@ -1,7 +1,7 @@
 """Weights on CUDA, decided without a GPU (docs/cuda.md): `auto` computes in the checkpoint's 16-bit type as
 stored; a GGUF's block-quantized matrices are dequantized once at load into the bf16 compute dtype, dense,
 exactly the file's values rounded to bf16, 2 bytes a weight (run on the CPU with the native kernels disabled:
-the same decision, runner.keeps_packed_weights)."""
+the same decision, placement.keeps_packed_weights)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
 from serval.runner.layers import Linear
 from serval.runner.loader.gguf import iter_gguf_weights
-from serval.runner.runner import keeps_packed_weights, resolve_dtype
+from serval.runner.placement import keeps_packed_weights, resolve_dtype
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 from tests.fixtures.tiny_models import tiny_config
 

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
-from serval.runner import runner as runner_module
+from serval.runner import placement
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
@@ -110,7 +110,7 @@ def test_packed_experts_run_natively_and_agree_with_the_pytorch_path(
     # int16 per block inside the kernel (2^-15 of its largest value).
     from tests.fixtures.gguf_writer import write_gguf_from_state_dict
 
-    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: False)
 
     _, reference = tiny_model_factory(family, False)
     path = str(tmp_path / f"{family}-{qtype.name}.gguf")

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
-from serval.runner import runner as runner_module
+from serval.runner import placement
 from serval.runner.loader.mxfp4_experts import ggml_blocks
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _serval_logits, assert_greedy_matches
@@ -72,7 +72,7 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_transformers(tmp_path, monkey
 
     # fp32 compute over the packed experts, as `auto` gives on a CPU without native bf16 (on one with it,
     # `auto` computes in bf16, whose rounding is past this test's 1e-3 against transformers' fp32).
-    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: False)
 
     directory = str(tmp_path / "gpt-oss-mxfp4")
     reference = write_tiny_model(directory, "gpt_oss")

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
-from serval.runner import runner as runner_module
+from serval.runner import placement
 from serval.runner.moe import SparseMoe
 from tests.runner.test_models import PROMPTS, _engine, _greedy, _serval_logits, assert_greedy_matches
 
@@ -103,7 +103,7 @@ def test_packed_experts_run_natively_and_agree_with_the_dense_path(
     # the dense path's; int8 x (above, the default) rounds to 2^-7, within the bound but not every near-tie.
     # fp32 compute is what `auto` gives on a CPU without native bf16; on one with it (Zen 4, Xeon) `auto` is
     # bf16, whose residual rounding (2^-8) moves near-ties too, so the test asks for the fp32 kernels there.
-    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: False)
     exact = _packed_engine(path, batch_activations="float32")
     assert _greedy(exact, PROMPTS, max_tokens=8) == _greedy(dense, PROMPTS, max_tokens=8)
 

@@ -17,7 +17,7 @@ import torch
 from serval import LLM, SamplingParams
 from serval.config import CacheConfig, ModelConfig
 from serval.model_source import resolve_model
-from serval.runner import runner as runner_module
+from serval.runner import placement
 from serval.runner.batch import Batch, SamplingRow
 from serval.runner.models.arch import ArchConfig
 from serval.runner.parallel.group import decode_batch, encode_batch
@@ -167,7 +167,7 @@ def test_packed_fp32_split_in_threads_matches_the_whole_default_model(monkeypatc
     # With int8 batch activations (the default) a rank of a row-parallel matmul tells outliers by the RMS of
     # its own slice of x, so the split rounds other values than the whole does: within int8's own bound
     # (test_weight_formats.py, 5% of the logits' scale), not the exact path's.
-    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: False)
     source = resolve_model(None)
     cache_config = CacheConfig(num_blocks=16)
     batch = _prefill_batch([[1, 504, 3458, 282, 4649, 314], [1, 9226, 2114, 253, 655, 30, 2286, 28]])

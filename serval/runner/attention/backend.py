@@ -8,6 +8,11 @@ once, at start-up (selector.py).
 The cache of one layer is two flat tensors of slots, (num_blocks * block_size, num_kv_heads, head_dim);
 slot = block_id * block_size + offset. A step's tokens are flattened into one varlen batch, each sequence's
 new tokens consecutive, in the layout's order.
+
+A model with multi-head latent attention (DeepSeek's MLA, runner/mla.py) caches one vector a token instead: its
+layer's cache is ONE such tensor with a single "kv head" of the latent's size, and `paged_latent_attention`
+attends over it as multi-query attention whose value is the first `value_dim` values of each key row. What a
+model's layer caches is its KvCacheSpec, which the runner reads to allocate.
 """
 
 from __future__ import annotations
@@ -52,6 +57,26 @@ class StepLayout:
 
 
 @dataclass(frozen=True)
+class KvCacheSpec:
+    """What one layer's paged cache holds a token: the model says (its class's kv_cache_spec(arch)), the runner
+    allocates. A latent cache is one tensor, serving as both K and V of the layer's (k_cache, v_cache) pair."""
+
+    num_kv_heads: int
+    head_dim: int  # of each cached key row
+    # MLA: the value is the first value_dim values of the key row, and no V tensor is kept; 0: a V row of
+    # head_dim values beside each K row (every other model)
+    latent_value_dim: int = 0
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent_value_dim > 0
+
+    def values_per_token(self) -> int:
+        """Cache elements one token takes in one layer."""
+        return (1 if self.is_latent else 2) * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class FusedDecodeInputs:
     """A decode-only step's cache addressing, for a whole-model native decode (models/decode_stack.py)."""
 
@@ -79,6 +104,18 @@ class AttentionBackend(Protocol):
         window: int,  # a query sees the last `window` positions up to its own; 0: its whole context
         sinks: torch.Tensor | None,  # (num_heads,) fp32 sink logits added to every softmax's denominator
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim); the new K/V written to their slots
+        ...
+
+    def forward_latent(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim): [query in latent space, roped part]
+        latent: torch.Tensor,  # (num_tokens, 1, head_dim): each new token's cache row, [c_kv, roped k]
+        cache: torch.Tensor,  # (num_slots, 1, head_dim): the layer's one latent cache
+        metadata: object,
+        scale: float,
+        value_dim: int,  # a key row's first value_dim values are its value
+    ) -> torch.Tensor:  # (num_tokens, num_heads, value_dim); the new rows written to their slots
+        """Multi-query attention over a latent cache (MLA's absorbed form): the same tiles and orders as forward."""
         ...
 
     def fused_decode_inputs(self, metadata: object) -> FusedDecodeInputs | None:
@@ -116,6 +153,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """The one call the model code makes: the step's backend's attention (AttentionBackend.forward)."""
     return step.backend.forward(q, k, v, k_cache, v_cache, step.metadata, scale, window, sinks)
+
+
+def paged_latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    cache: torch.Tensor,
+    step: StepAttention,
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """MLA's call: the step's backend's latent attention (AttentionBackend.forward_latent)."""
+    return step.backend.forward_latent(q, latent, cache, step.metadata, scale, value_dim)
 
 
 def write_new_kv(

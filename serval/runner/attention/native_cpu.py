@@ -91,7 +91,15 @@ class NativeCpuBackend:
         self, q, k, v, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks
     ) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        return self._attend(q, k_cache, v_cache, metadata, scale, window, sinks, q.shape[-1])
+
+    def forward_latent(self, q, latent, cache, metadata: NativeMetadata, scale, value_dim) -> torch.Tensor:
+        cache.index_copy_(0, metadata.slot_mapping, latent)
+        # One tensor as K and V: the kernels read a token's value from the start of its key row.
+        return self._attend(q, cache, cache, metadata, scale, 0, None, value_dim)
+
+    def _attend(self, q, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks, value_dim):
+        out = q.new_empty(*q.shape[:-1], value_dim)
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged = (-1, metadata.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
         native_sinks = _NO_SINKS if sinks is None else sinks
@@ -99,6 +107,7 @@ class NativeCpuBackend:
             out[metadata.decode_rows] = self.decode_kernel(
                 q[metadata.decode_rows], k_cache.view(paged), v_cache.view(paged),
                 metadata.decode_block_tables, metadata.decode_context_lens, scale, window, native_sinks,
+                value_dim,
             )  # fmt: skip
         if metadata.prefills is not None:
             p = metadata.prefills

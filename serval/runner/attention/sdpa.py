@@ -74,7 +74,18 @@ class SdpaBackend:
         self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
     ) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        return self._attend(q, k, v, k_cache, v_cache, metadata, scale, window, sinks)
+
+    def forward_latent(self, q, latent, cache, metadata: SdpaMetadata, scale, value_dim) -> torch.Tensor:
+        cache.index_copy_(0, metadata.slot_mapping, latent)
+        # Views, not copies: a key row's first value_dim values are its value (SDPA takes a narrower V).
+        values, cached_values = latent[..., :value_dim], cache[..., :value_dim]
+        return self._attend(q, latent, values, cache, cached_values, metadata, scale, 0, None)
+
+    def _attend(
+        self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
+    ) -> torch.Tensor:
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
             q_dec = q[rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)

@@ -17,12 +17,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
-  // window 0: every query sees its whole context; sinks empty: no sink logits.
+  // window 0: every query sees its whole context; sinks empty: no sink logits. value_dim 0: head_dim; less:
+  // MLA's latent attention (values the first value_dim of each V row; the output that wide, prefill's `out` too).
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache (one query token per sequence)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
-        pybind11::arg("sinks") = at::empty({0}, at::kFloat), release());
+        pybind11::arg("sinks") = at::empty({0}, at::kFloat), pybind11::arg("value_dim") = 0, release());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefilling sequences over the paged KV cache, written into out", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),

@@ -132,10 +132,11 @@ inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, si
 
 }  // namespace serval_kernels
 
-// window: a query sees the last `window` positions up to its own (0: all); sinks: see sink_logits.
+// window: a query sees the last `window` positions up to its own (0: all); sinks: see sink_logits. value_dim
+// (MLA's latent attention): values are the first value_dim of each V row, the output that wide (0: head_dim).
 at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks);
+    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks, int64_t value_dim = 0);
 void paged_prefill_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
     at::Tensor query_starts, at::Tensor query_lens, at::Tensor context_lens, double scale,

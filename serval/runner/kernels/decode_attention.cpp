@@ -12,6 +12,11 @@
 // of the tile width from position 0, as prefill_attention.cpp forms them, and the softmax and the weighted
 // sum of V go in the same order: a query's output is bitwise the one a prefill chunk gives it (batch
 // invariance).
+//
+// Multi-head latent attention (DeepSeek's MLA, absorbed): value_dim < head_dim, k_cache and v_cache the same
+// tensor of one "kv head" whose row is [latent, roped key part]; a token's value is the first value_dim values
+// of its key row. The same tiles and orders as above: the latent size 512 + 64 (every DeepSeek-V2/V3 and Kimi
+// checkpoint) has its own register path, its V pass in column chunks that keep each output's sum unchanged.
 #include "common.h"
 
 using namespace serval_kernels;
@@ -30,7 +35,7 @@ struct Context {
 // The plain path: any head size, any ISA.
 template <typename T>
 void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const Context& c, int64_t head_dim,
-                       float* scores, float* row, float* out) {
+                       int64_t value_dim, float* scores, float* row, float* out) {
   for (int64_t t = 0; t < c.len; ++t) {
     load_row(k_cache + c.rows[t], row, head_dim);
     scores[t] = dot(q, row, head_dim) * c.scale;
@@ -39,10 +44,10 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
   for (int64_t t = 0; t < c.len; ++t) m = std::max(m, scores[t]);
   float sum = std::exp(c.sink - m);
   for (int64_t t = 0; t < c.len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
-  std::fill(out, out + head_dim, 0.0f);
+  std::fill(out, out + value_dim, 0.0f);
   for (int64_t t = 0; t < c.len; ++t) {
-    load_row(v_cache + c.rows[t], row, head_dim);
-    axpy(scores[t] / sum, row, out, head_dim);
+    load_row(v_cache + c.rows[t], row, value_dim);
+    axpy(scores[t] / sum, row, out, value_dim);
   }
 }
 
@@ -64,7 +69,11 @@ inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec ou
   return visible_lanes(c.skip, c.len - 1, t0 / simd::kWidth, a, outside);
 }
 
-template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
+// The V pass's output vectors at a time: all of a head of up to 16 vectors, else 8 (a 512-wide latent: 32 or 64
+// vectors, past the register file). Each output value's sum goes over the same tokens in the same order either way.
+constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
+
+template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim, of kValueChunk vectors
 void attend_head(const float* q, const T* k_cache, const T* v_cache, const Context& c, float* scores, float* out) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W;
@@ -80,7 +89,7 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
     const int64_t tile = std::min<int64_t>(W, c.len - t0);
     if (c.prefetch) {  // the K rows a tile on, and this tile's V rows for pass 2
       prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
-      prefetch_rows<T, D>(v_cache, c.rows, t0, t0 + tile);
+      prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
     }
     const Vec s = tile_scores<C>(qv, tile, [&](int64_t i) { return k_cache + c.rows[t0 + i]; }, scale);
     // scores has room for whole tiles: the lanes past the context are written but never read.
@@ -97,15 +106,19 @@ void attend_head(const float* q, const T* k_cache, const T* v_cache, const Conte
     vsum = simd::add(vsum, e);
   }
   // Pass 2: out = sum_t p_t v_t / sum_t p_t
-  Vec acc[C];
-  for (int i = 0; i < C; ++i) acc[i] = simd::zero();
-  for (int64_t t = c.skip; t < c.len; ++t) {
-    const Vec p = simd::set1(scores[t]);
-    const T* v = v_cache + c.rows[t];
-    for (int i = 0; i < C; ++i) acc[i] = simd::fmadd(p, simd::load(v + W * i), acc[i]);
-  }
+  constexpr int CV = DV / W, CB = value_chunk(CV);
+  static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
   const Vec inv = simd::set1(1.0f / (simd::reduce_add(vsum) + std::exp(c.sink - m_scalar)));
-  for (int i = 0; i < C; ++i) simd::store(out + W * i, simd::mul(acc[i], inv));
+  for (int c0 = 0; c0 < CV; c0 += CB) {
+    Vec acc[CB];
+    for (int i = 0; i < CB; ++i) acc[i] = simd::zero();
+    for (int64_t t = c.skip; t < c.len; ++t) {
+      const Vec p = simd::set1(scores[t]);
+      const T* v = v_cache + c.rows[t] + W * c0;
+      for (int i = 0; i < CB; ++i) acc[i] = simd::fmadd(p, simd::load(v + W * i), acc[i]);
+    }
+    for (int i = 0; i < CB; ++i) simd::store(out + W * (c0 + i), simd::mul(acc[i], inv));
+  }
 }
 
 template <typename T>
@@ -118,8 +131,8 @@ void decode_attention_impl(
     double scale,
     int64_t window,                  // the last tokens a query sees; 0: its whole context
     const float* sinks,              // (num_heads,) sink logits, or null
-    at::Tensor& out) {               // (num_seqs, num_heads, head_dim)
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+    at::Tensor& out) {               // (num_seqs, num_heads, value_dim)
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), value_dim = out.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -156,13 +169,16 @@ void decode_attention_impl(
         const float sink = sinks != nullptr ? sinks[head_in_seq] : -INFINITY;
         const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale), sink, g == 0};
         load_row(q_ptr + head * head_dim, qf.data(), head_dim);
-        if (head_dim == 32) attend_head<T, 32>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
-        else if (head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
-        else if (head_dim == 128) attend_head<T, 128>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        const bool same = head_dim == value_dim;
+        if (same && head_dim == 32) attend_head<T, 32>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else if (same && head_dim == 64) attend_head<T, 64>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else if (same && head_dim == 128) attend_head<T, 128>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
+        else if (head_dim == 576 && value_dim == 512)
+          attend_head<T, 576, 512>(qf.data(), k_ptr, v_ptr, context, scores.data(), acc.data());
         else attend_head_plain<T>(qf.data(), k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
-                                  context.scale, sink, false}, head_dim, scores.data(), row.data(), acc.data());
-        T* o = out_ptr + head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d]);
+                                  context.scale, sink, false}, head_dim, value_dim, scores.data(), row.data(), acc.data());
+        T* o = out_ptr + head * value_dim;
+        for (int64_t d = 0; d < value_dim; ++d) o[d] = static_cast<T>(acc[d]);
       }
     }
   }, Schedule::kDynamic);
@@ -172,14 +188,18 @@ void decode_attention_impl(
 
 at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks) {
+    at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks, int64_t value_dim) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2),
+              "k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) of q's head_dim");
+  if (value_dim == 0) value_dim = q.size(2);
+  TORCH_CHECK(value_dim > 0 && value_dim <= q.size(2), "value_dim: at most head_dim (0: head_dim)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(window >= 0, "window: a token count, 0 for none");
   const float* sink_ptr = sink_logits(sinks, q.size(1));
-  auto out = at::empty_like(q);
+  auto out = at::empty({q.size(0), q.size(1), value_dim}, q.options());
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   if (q.scalar_type() == at::kFloat) {

@@ -18,6 +18,9 @@
 // (Until 2026-12-06 K went transposed into the tiles, a row's scores lane-wise FMAs of the broadcast query
 // with no horizontal sums: cheaper, but summed in another order than a decode's.)
 //
+// Multi-head latent attention (value_dim < head_dim, k_cache and v_cache one tensor): a token's value is the
+// first value_dim values of its key row (decode_attention.cpp says more); 576 / 512 has its own register path.
+//
 // NOTE: PyTorch's SDPA on the CPU took ~0.6-1 ms per layer for one 137-token prompt of SmolLM2 (its math path
 // with GQA materialises the masks and repeats K/V); this is the prefill's largest cost after the matmuls.
 #include "common.h"
@@ -34,7 +37,7 @@ struct Task {
 };
 
 struct Layout {
-  int64_t num_heads, num_kv_heads, group, head_dim;
+  int64_t num_heads, num_kv_heads, group, head_dim, value_dim;
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   int64_t block_size, max_blocks, slot_stride, block_stride;
   float scale;
@@ -74,16 +77,16 @@ template <typename T>
 void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                        const Task& task, Scratch& scratch) {
   // Keys [base, base + num_keys): what the task's rows see.
-  const int64_t D = l.head_dim, base = s.first_key(task.row_begin, l.window);
+  const int64_t D = l.head_dim, DV = l.value_dim, base = s.first_key(task.row_begin, l.window);
   const int64_t num_keys = s.position(task.row_end - 1) + 1 - base;
   scratch.keys.resize(num_keys * D);
-  scratch.values.resize(num_keys * D);
+  scratch.values.resize(num_keys * DV);
   scratch.queries.resize(D);
-  scratch.scores.resize(num_keys + D);  // scores, then one output row
+  scratch.scores.resize(num_keys + DV);  // scores, then one output row
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
     load_row(k_cache + row, scratch.keys.data() + t * D, D);
-    load_row(v_cache + row, scratch.values.data() + t * D, D);
+    load_row(v_cache + row, scratch.values.data() + t * DV, DV);
   }
   float* scores = scratch.scores.data();
   float* acc = scores + num_keys;
@@ -100,19 +103,24 @@ void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, c
       }
       float sum = std::exp(l.sink(head) - m);
       for (int64_t t = begin; t < end; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
-      std::fill(acc, acc + D, 0.0f);
-      for (int64_t t = begin; t < end; ++t) axpy(scores[t] / sum, scratch.values.data() + t * D, acc, D);
-      store_row(acc, out + token * l.out_token_stride + head * l.out_head_stride, D);
+      std::fill(acc, acc + DV, 0.0f);
+      for (int64_t t = begin; t < end; ++t) axpy(scores[t] / sum, scratch.values.data() + t * DV, acc, DV);
+      store_row(acc, out + token * l.out_token_stride + head * l.out_head_stride, DV);
     }
   }
 }
 
-template <typename T, int D>  // head_dim, a multiple of 2 * kWidth
+// The V pass's output vectors at a time: all of a head of up to 16 vectors, else 8 (a 512-wide latent). Each
+// output value's sum goes over the same keys in the same order either way (decode_attention.cpp's too).
+constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
+
+template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim
 void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
   using simd::Vec;
-  constexpr int W = simd::kWidth, C = D / W;
-  constexpr int R = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows at a time: R * C output accumulators in registers
+  constexpr int W = simd::kWidth, C = D / W, CV = DV / W, CB = value_chunk(CV);
+  static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
+  constexpr int R = CB <= 4 ? 4 : (CB <= 8 ? 2 : 1);  // rows at a time: R * CB output accumulators in registers
   // Keys [base, base + num_keys): what the task's rows see, from the start of its first key's tile; below, key
   // indices are relative to base, which is a whole number of tiles.
   const int64_t base = s.first_key(task.row_begin, l.window) / kTile * kTile;
@@ -120,17 +128,17 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
   const int64_t num_tiles = (num_keys + kTile - 1) / kTile, padded = num_tiles * kTile;
   const int64_t rows = task.row_end - task.row_begin;
   scratch.keys.resize(num_keys * D);  // row-major, as the cache holds them
-  scratch.values.assign(padded * D, 0.0f);
+  scratch.values.assign(padded * DV, 0.0f);
   scratch.queries.resize(l.group * kQueryBlock * D);
   scratch.scores.resize(l.group * kQueryBlock * padded);
   scratch.zeros.assign(padded, 0.0f);
   float* keys = scratch.keys.data();
   float* values = scratch.values.data();
-  float row_buffer[D];
+  float row_buffer[R * DV];  // the R rows' outputs, a chunk at a time
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
     load_row(k_cache + row, keys + t * D, D);
-    load_row(v_cache + row, values + t * D, D);
+    load_row(v_cache + row, values + t * DV, DV);
   }
   const Vec scale = simd::set1(l.scale);
   const Vec minus_infinity = simd::set1(-INFINITY);
@@ -184,22 +192,25 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
         }
         inverse_sum[i] = 1.0f / (simd::reduce_add(vsum) + std::exp(sink - m_scalar));
       }
-      // out = sum_t p_t v_t / sum_t p_t
-      Vec acc[R][C];
-      for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = simd::zero();
-      for (int64_t t = first_tile * kTile; t < tiles * kTile; ++t) {
-        Vec v[C];
-        for (int c = 0; c < C; ++c) v[c] = simd::load(values + t * D + W * c);
-        for (int i = 0; i < R; ++i) {
-          const Vec p = simd::set1(probs[i][t]);
-          for (int c = 0; c < C; ++c) acc[i][c] = simd::fmadd(p, v[c], acc[i][c]);
+      // out = sum_t p_t v_t / sum_t p_t, CB output vectors at a time
+      for (int c0 = 0; c0 < CV; c0 += CB) {
+        Vec acc[R][CB];
+        for (int i = 0; i < R; ++i)
+          for (int c = 0; c < CB; ++c) acc[i][c] = simd::zero();
+        for (int64_t t = first_tile * kTile; t < tiles * kTile; ++t) {
+          Vec v[CB];
+          for (int c = 0; c < CB; ++c) v[c] = simd::load(values + t * DV + W * (c0 + c));
+          for (int i = 0; i < R; ++i) {
+            const Vec p = simd::set1(probs[i][t]);
+            for (int c = 0; c < CB; ++c) acc[i][c] = simd::fmadd(p, v[c], acc[i][c]);
+          }
         }
+        for (int i = 0; i < R && i0 + i < rows; ++i)
+          for (int c = 0; c < CB; ++c)
+            simd::store(row_buffer + i * DV + W * (c0 + c), simd::mul(acc[i][c], simd::set1(inverse_sum[i])));
       }
-      for (int i = 0; i < R && i0 + i < rows; ++i) {
-        for (int c = 0; c < C; ++c) simd::store(row_buffer + W * c, simd::mul(acc[i][c], simd::set1(inverse_sum[i])));
-        store_row(row_buffer, out + (s.query_start + task.row_begin + i0 + i) * l.out_token_stride + head * l.out_head_stride, D);
-      }
+      for (int i = 0; i < R && i0 + i < rows; ++i)
+        store_row(row_buffer + i * DV, out + (s.query_start + task.row_begin + i0 + i) * l.out_token_stride + head * l.out_head_stride, DV);
     }
   }
 }
@@ -210,7 +221,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
                             int64_t window, const float* sinks, at::Tensor& out) {
   const Layout l{
-      q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2),
+      q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), out.size(2),
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
       k_cache.size(1), block_tables.size(1), k_cache.size(2) * q.size(2), k_cache.size(1) * k_cache.size(2) * q.size(2),
       static_cast<float>(scale), window, sinks};
@@ -240,9 +251,14 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const Sequence& s = seqs[task.seq];
-      if (l.head_dim == 32) { attend_task<T, 32>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (l.head_dim == 64) { attend_task<T, 64>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (l.head_dim == 128) { attend_task<T, 128>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      const bool same = l.head_dim == l.value_dim;
+      if (same && l.head_dim == 32) { attend_task<T, 32>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (same && l.head_dim == 64) { attend_task<T, 64>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (same && l.head_dim == 128) { attend_task<T, 128>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (l.head_dim == 576 && l.value_dim == 512) {
+        attend_task<T, 576, 512>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
+        continue;
+      }
       attend_task_plain<T>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
     }
   }, Schedule::kDynamic);
@@ -254,7 +270,8 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
                              at::Tensor block_tables, at::Tensor query_starts, at::Tensor query_lens,
                              at::Tensor context_lens, double scale, at::Tensor out, int64_t window,
                              at::Tensor sinks) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out: (tokens, heads, head_dim)");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.size(0) == out.size(0) && q.size(1) == out.size(1) &&
+              out.size(2) <= q.size(2), "q: (tokens, heads, head_dim), out: (tokens, heads, value_dim <= head_dim)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache, v_cache: contiguous (num_blocks, block_size, num_kv_heads, head_dim)");

@@ -26,8 +26,9 @@ from serval.runner.loader.dequant import (
     dequantize,
     is_supported,
 )
+from serval.runner.loader.gguf_deepseek import deepseek2_config, yarn_mscale_keys
 from serval.runner.loader.gguf_file import GGUFFile
-from serval.runner.loader.gguf_names import hf_matrix_names
+from serval.runner.loader.gguf_names import SPLIT_KV_B_PARTS, hf_matrix_names
 from serval.runner.loader.gguf_pack import NativeRepack, packed_from_blocks, unpermute_rows
 from serval.runner.quantization import PackedWeight, sixteen_bit_form
 
@@ -45,6 +46,7 @@ _ARCHITECTURES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "chatglm": ("GlmForCausalLM", "glm"),
         "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
         "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2"),
+        "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # or V3 (gguf_deepseek.py: the router's kind)
     }
 )
 # llama.cpp writes Mixtral as llama with experts.
@@ -134,7 +136,7 @@ def _moe_config(reader: GGUFFile, arch: str, num_layers: int, tensor_names: set[
         if value is not None:
             config[hf_key] = _float(value) if isinstance(value, float) else value
     gating = metadata_value(reader, f"{arch}.expert_gating_func")
-    if gating is not None and int(gating) != _GATING_OF_ARCHITECTURE.get(arch, 1):
+    if gating is not None and arch != "deepseek2" and int(gating) != _GATING_OF_ARCHITECTURE.get(arch, 1):
         raise ValueError(f"GGUF {arch}.expert_gating_func {gating} is not the one serval runs for {arch}")
     if arch in _EXPERT_WIDTH_IS_INTERMEDIATE:
         config["intermediate_size"] = config["moe_intermediate_size"]
@@ -178,7 +180,7 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
             value = metadata_value(reader, f"{arch}.rope.scaling.{gguf_key}")
             if value is not None:
                 scaling[hf_key] = value if isinstance(value, int) else _float(value)
-        return scaling
+        return scaling | yarn_mscale_keys(metadata_value(reader, f"{arch}.rope.scaling.yarn_log_multiplier"))
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
@@ -252,6 +254,8 @@ def _optional_config(reader: GGUFFile, arch: str, tensor_names: set[str]) -> dic
         config["rotary_dim"] = rotary_dim
     if "blk.0.attn_q_norm.weight" in tensor_names:  # GLM-4.5's q/k norms are optional (use_qk_norm)
         config["use_qk_norm"] = True
+    if arch == "deepseek2":  # MLA's shapes, and V2 or V3
+        config.update(deepseek2_config(reader.metadata, tensor_names))
     pad_token_id = metadata_value(reader, "tokenizer.ggml.padding_token_id")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
@@ -299,7 +303,7 @@ def block_tensor_types(reader: GGUFFile) -> Mapping[str, int]:
         {
             name: int(t.tensor_type)
             for t in reader.tensors
-            if len(t.shape) in (2, 3) and t.tensor_type in BLOCK_CODE_TYPES
+            if _is_packable_matrix(t) and t.tensor_type in BLOCK_CODE_TYPES
             for name in hf_matrix_names(t, arch)
         }
     )
@@ -311,6 +315,7 @@ def _is_packable_matrix(tensor) -> bool:
     return (
         len(tensor.shape) in (2, 3)
         and tensor.name.endswith(".weight")
+        and tensor.name.split(".")[-2] not in SPLIT_KV_B_PARTS  # joined into kv_b_proj: dense
         and (tensor.tensor_type in BLOCK_CODE_TYPES or tensor.tensor_type in _SIXTEEN_BIT_TYPES)
     )
 

@@ -39,10 +39,22 @@ _LAYER_NAMES: MappingProxyType[str, str] = MappingProxyType(
         # file only)
         "post_attention_norm": "post_attention_layernorm",
         "attn_sinks": "self_attn.sinks",
+        # deepseek2 (DeepSeek-V2/V3, Kimi-K2): MLA's projections and norms
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
     }
 )
+_SHARED_EXPERTS = {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # Where an architecture spells a part otherwise (llama.cpp's tensor_mapping.py): GLM-4's post-block norms and
-# its fused gate_up in ffn_up; DeepSeek-style ungated shared experts (GLM-4.5).
+# its fused gate_up in ffn_up; DeepSeek-style ungated shared experts (GLM-4.5, DeepSeek-V2/V3).
 _ARCH_LAYER_NAMES: MappingProxyType[str, dict[str, str]] = MappingProxyType(
     {
         "glm4": {
@@ -52,11 +64,8 @@ _ARCH_LAYER_NAMES: MappingProxyType[str, dict[str, str]] = MappingProxyType(
         },
         # ChatGLM's fused q/k/v goes to our own fused matrix (ChatGlmForCausalLM takes it whole)
         "chatglm": {"ffn_up": "mlp.gate_up_proj", "attn_qkv": "self_attn.qkv_proj"},
-        "glm4moe": {
-            "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-            "ffn_up_shexp": "mlp.shared_experts.up_proj",
-            "ffn_down_shexp": "mlp.shared_experts.down_proj",
-        },
+        "glm4moe": _SHARED_EXPERTS,
+        "deepseek2": _SHARED_EXPERTS,
     }
 )
 # The experts' 3-D tensors (one matrix per expert), and the per-expert tensors of older Mixtral files
@@ -64,6 +73,9 @@ _ARCH_LAYER_NAMES: MappingProxyType[str, dict[str, str]] = MappingProxyType(
 _EXPERT_PARTS: MappingProxyType[str, str] = MappingProxyType(
     {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 )
+# deepseek2's kv_b_proj as newer files split it: attn_k_b (heads, kv_lora_rank, qk_nope), each head's W_UK
+# transposed, and attn_v_b (heads, v_head, kv_lora_rank): one matrix a head, which models/deepseek.py joins.
+SPLIT_KV_B_PARTS = ("attn_k_b", "attn_v_b")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # GLM-4.5's multi-token-prediction layer (after the last block): named for the model to pass over
 _NEXTN_TENSOR = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.(weight|bias)")
@@ -97,8 +109,12 @@ def hf_tensor_name(gguf_name: str, arch: str = "") -> str:
 
 def hf_matrix_names(tensor, arch: str = "") -> list[str]:
     """The Hugging Face names of a tensor's matrices: one per expert of a 3-D `ffn_*_exps` tensor (the
-    checkpoint's per-expert names; of a 2-D one for their biases, gpt-oss), else its one name."""
+    checkpoint's per-expert names; of a 2-D one for their biases, gpt-oss), one per head of deepseek2's
+    attn_k_b / attn_v_b, else its one name."""
     match = _LAYER_TENSOR.fullmatch(tensor.name)
+    if match is not None and match.group(2) in SPLIT_KV_B_PARTS and len(tensor.shape) == 3:
+        layer, part, _ = match.groups()
+        return [f"model.layers.{layer}.self_attn.{part}.{h}.weight" for h in range(tensor.shape[-1])]
     if match is None or match.group(2) not in _EXPERT_PARTS:
         return [hf_tensor_name(tensor.name, arch)]
     layer, part, kind = match.groups()

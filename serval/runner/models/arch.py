@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serval.runner.models.mla_arch import MLA_DECODERS, MlaArch
 from serval.runner.models.moe_arch import MOE_ARCHITECTURES, MoeArch
 
 
@@ -66,6 +67,7 @@ class ArchConfig:
     vision: VisionArch | None = None  # the vision tower of a multimodal model
     audio: AudioArch | None = None  # the audio encoder of a multimodal model
     moe: MoeArch | None = None  # the experts of a mixture-of-experts model; None: every MLP is dense
+    mla: MlaArch | None = None  # DeepSeek's multi-head latent attention (head_dim is then its roped part's)
     # False for a bare decoder (Qwen3Model, what sentence-transformers saves) and any embedding model: no
     # lm_head is loaded (runner/pooling.py reads its final hidden states instead of logits).
     has_lm_head: bool = True
@@ -93,6 +95,8 @@ class ArchConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
+        if architecture in MLA_DECODERS:  # the rotary tables' width (DeepSeek's configs may lack head_dim)
+            head_dim = cfg["qk_rope_head_dim"]
         attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", architecture in _QWEN2_DECODERS)))
         sliding_window, sliding_layers = _sliding_window(architecture, cfg)
         return cls(
@@ -125,6 +129,7 @@ class ArchConfig:
             vision=VisionArch.from_hf_config(cfg) if isinstance(cfg.get("vision_config"), dict) else None,
             audio=AudioArch.from_hf_config(cfg) if isinstance(cfg.get("audio_config"), dict) else None,
             moe=MoeArch.from_hf_config(architecture, cfg) if architecture in MOE_ARCHITECTURES else None,
+            mla=MlaArch.from_hf_config(architecture, cfg) if architecture in MLA_DECODERS else None,
             has_lm_head=architecture not in BARE_DECODERS,
         )
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from serval.runner.attention.backend import StepAttention, paged_attention
+from serval.runner.attention.backend import KvCacheSpec, StepAttention, paged_attention
 from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
     GatedMLP,
@@ -123,7 +123,13 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_class = DecoderLayer  # a family with other blocks (GLM-4's extra norms: models/glm.py) swaps it
+    # a family with other blocks (GLM-4's extra norms: models/glm.py; DeepSeek's MLA: models/deepseek.py)
+    layer_class = DecoderLayer
+
+    @staticmethod
+    def kv_cache_spec(arch: ArchConfig) -> KvCacheSpec:
+        """What each layer caches a token (the runner allocates it): a K and a V row per KV head."""
+        return KvCacheSpec(arch.num_kv_heads, arch.head_dim)
 
     def __init__(self, arch: ArchConfig, max_positions: int):
         super().__init__()

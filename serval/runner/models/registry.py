@@ -33,6 +33,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "ChatGLMModel": ("serval.runner.models.glm", "ChatGlmForCausalLM"),  # THUDM's ChatGLM2/3 (remote code)
     "Glm4ForCausalLM": ("serval.runner.models.glm", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("serval.runner.models.glm", "Glm4MoeForCausalLM"),
+    # Multi-head latent attention (runner/mla.py), dense and sparse layers.
+    "DeepseekV2ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("serval.runner.models.deepseek", "DeepseekForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("serval.runner.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serval.runner.models.qwen2_vl",

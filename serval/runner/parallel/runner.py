@@ -32,7 +32,8 @@ from serval.runner.loader.load import open_checkpoint
 from serval.runner.parallel.group import HOST, all_reduce, compute_group, gloo_group, send_batch, send_stop
 from serval.runner.parallel.shard import TensorParallelPart, plan_shard
 from serval.runner.parallel.worker import WorkerArgs, worker_main
-from serval.runner.runner import ModelRunner, resolve_device
+from serval.runner.placement import resolve_device
+from serval.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
