@@ -31,6 +31,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import free_port, start, stop
+from serve import sse_chunks
 
 WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads", "grounded")
 
@@ -83,11 +84,7 @@ async def ask(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return answer
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                now = time.perf_counter()
+            async for chunk, now in sse_chunks(response):
                 if chunk.get("usage"):
                     answer.num_tokens = chunk["usage"].get("completion_tokens") or answer.num_tokens
                 timings = chunk.get("timings") or {}

@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -84,6 +85,13 @@ def make_prompt(rng: random.Random, num_words: int) -> str:
     return "Continue this list with more words: " + " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[tuple[dict, float]]:
+    """Each `data:` chunk of a streamed response, parsed, with when it arrived (perf_counter)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: ") :]), time.perf_counter()
+
+
 async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestResult:
     body = {
         "model": args.model,
@@ -101,11 +109,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestRe
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                now = time.perf_counter()
+            async for chunk, now in sse_chunks(response):
                 if chunk.get("usage"):
                     result.num_output_tokens = chunk["usage"].get(
                         "completion_tokens", result.num_output_tokens

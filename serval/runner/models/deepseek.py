@@ -12,14 +12,11 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from serval.runner.attention.backend import KvCacheSpec
-from serval.runner.layers import GatedMLP, RMSNorm
 from serval.runner.mla import LatentAttention
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.llama import DecoderLayer, LlamaForCausalLM
-from serval.runner.moe import SparseMoe
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # A GGUF's split kv_b_proj, a matrix a head (loader/gguf_names.py): attn_k_b.H (kv_lora_rank, qk_nope), head
@@ -29,17 +26,7 @@ _SPLIT_KV_B = re.compile(r"(?P<attn>.*\.self_attn)\.attn_(?P<part>[kv])_b\.(?P<h
 
 class DeepseekDecoderLayer(DecoderLayer):
     fits_decode_stack = False  # the native DecodeStack runs Llama's attention: decodes go layer by layer
-
-    def __init__(self, arch: ArchConfig, index: int):
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LatentAttention(arch, index)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        if arch.moe is not None and arch.moe.is_sparse(index):
-            self.mlp = SparseMoe(arch.hidden_size, arch.moe)
-        else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
-        self.all_reduce = None  # never split (Runner.check_can_split refuses MLA)
+    attention_class = LatentAttention  # NOTE: never split (Runner.check_can_split refuses MLA)
 
     def forward(self, x, rope, k_cache, v_cache, meta, lora=None):
         # k_cache is v_cache: the layer's one latent cache

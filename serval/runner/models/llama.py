@@ -84,11 +84,12 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     fits_decode_stack = True  # kernels.DecodeStack computes this block (models/decode_stack.py)
+    attention_class = Attention  # a family with another attention (DeepSeek's latent one) swaps it
 
     def __init__(self, arch: ArchConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, index)
+        self.self_attn = self.attention_class(arch, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.moe is not None and arch.moe.is_sparse(index):
             self.mlp = SparseMoe(arch.hidden_size, arch.moe)
