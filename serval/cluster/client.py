@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -216,7 +217,7 @@ class ReplicaClient:
         if not reports:  # none heard from yet (or all down): nothing runs, no KV block in use
             return EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0)
         sums = {
-            f.name: sum(getattr(r.stats, f.name) for r in reports) for f in dataclasses.fields(EngineStats)
+            f.name: _sum([getattr(r.stats, f.name) for r in reports]) for f in dataclasses.fields(EngineStats)
         }
         return EngineStats(**sums)
 
@@ -249,3 +250,10 @@ class ReplicaClient:
         self._stopped = True
         self._stop_polling.set()
         self._poller.join(timeout=5)
+
+
+def _sum(values: list) -> int | float | tuple:
+    """A counter summed over replicas; a tuple of counters (accepted drafts by position) position by position."""
+    if values and isinstance(values[0], tuple):
+        return tuple(sum(column) for column in itertools.zip_longest(*values, fillvalue=0))
+    return sum(values)

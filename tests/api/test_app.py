@@ -196,7 +196,7 @@ MODEL_FACTS = {
     "model": MODEL, "architecture": "FakeForCausalLM", "weight_format": "Q4_1+Q8_0", "dtype": "bfloat16",
     "device": "cpu", "kernel_variant": "avx2", "attention_backend": "native-cpu", "batch_activations": "int8",
     "num_threads": 3,
-    "kv_cache_tokens": 320, "max_model_len": 256,
+    "kv_cache_tokens": 320, "max_model_len": 256, "speculative_decoding": "off",
 }  # fmt: skip
 
 
