@@ -103,10 +103,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.as_cpu_without_bf16:
-        from serval.runner import runner as runner_module
+        from serval.runner import placement
 
         # what resolve_dtype asks; the kernels stay as they are
-        runner_module.cpu_has_native_bf16 = lambda: False
+        placement.cpu_has_native_bf16 = lambda: False
 
     from serval import LLM, SamplingParams
 

@@ -53,9 +53,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.as_cpu_without_bf16:
-        from serval.runner import runner
+        from serval.runner import placement
 
-        runner.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
+        placement.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompt_ids, reference, reference_log_probs = fp32_reference(args.model, PROMPTS, params)
     compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)

@@ -382,7 +382,7 @@ def test_auto_dtype_without_native_bf16_runs_the_file_packed_in_fp32(
     # A CPU without bf16 dot products (AVX2): `auto` computes in fp32 from the packed codes and frees the
     # dense copies (the kernels serve every batch size there), instead of an fp32 model 7x the file's size.
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
-    monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("serval.runner.placement.cpu_has_native_bf16", lambda: False)
     _, reference = tiny_model_factory("llama", True)
     path = str(tmp_path / "q4_1.gguf")
     write_gguf_from_state_dict(

@@ -99,7 +99,7 @@ def _decode_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 def test_formats_match_transformers_dense_and_packed(model_file, kernels, monkeypatch):
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
-    monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("serval.runner.placement.cpu_has_native_bf16", lambda: False)
     path, reference = model_file
     dense, packed = _engine(path, "float32"), _engine(path, "auto")
     assert not dense.runner.info.packed_weights
@@ -160,7 +160,7 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
     from transformers import LlamaConfig
 
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
-    monkeypatch.setattr("serval.runner.runner.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("serval.runner.placement.cpu_has_native_bf16", lambda: False)
     path = str(tmp_path / "Q4_0.gguf")
     hf_config = LlamaConfig(**SHAPE).to_dict() | {"architectures": ["LlamaForCausalLM"]}
     write_gguf_from_state_dict(path, hf_config, state_dict, qtype_for_matrices=Q.Q4_0)
