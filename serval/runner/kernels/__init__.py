@@ -43,6 +43,7 @@ SOURCES = tuple(
         "quantized_linear.cpp",
         "quantized_int8.cpp",
         "half_linear.cpp",
+        "dense_linear.cpp",
         "gguf_repack.cpp",
         "moe.cpp",
     )

@@ -90,5 +90,5 @@ def make_decode_stack(
     return kernels.DecodeStack(
         layers, linears, experts, expert_params, windows, arch.num_heads, arch.num_kv_heads, arch.head_dim,
         block_size, arch.rms_norm_eps, model.layers[0].self_attn.scale, packed_rows_limit(kernels),
-        Linear.MAX_KERNEL_ROWS, int8,
+        Linear.MAX_KERNEL_ROWS, int8, False,
     )  # fmt: skip
