@@ -34,7 +34,9 @@ SHAPES = {  # name -> (N, K): Llama-3.2-1B's, the head a 49152-row slice of its 
 def schemes(kernels, dtype: torch.dtype, weight_dtype: torch.dtype) -> dict:
     if weight_dtype == torch.float16:
         return {
-            "half": lambda x, w: kernels.quantized_linear(x, w, torch.empty(0), torch.empty(0), torch.empty(0), w.shape[0]),
+            "half": lambda x, w: kernels.quantized_linear(
+                x, w, torch.empty(0), torch.empty(0), torch.empty(0), w.shape[0]
+            ),
             "invariant": kernels.dense_linear,
         }
 
@@ -57,7 +59,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,4,16,64,512")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="compute dtypes (weights the same)")
-    parser.add_argument("--f16-weights", action="store_true", help="also F16 weights in the compute dtype's x")
+    parser.add_argument(
+        "--f16-weights", action="store_true", help="also F16 weights in the compute dtype's x"
+    )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget-ms", type=float, default=150.0, help="per timing, roughly")

@@ -19,6 +19,7 @@ from torch import nn
 from serval.runner.attention.backend import StepAttention, paged_attention
 from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
+    DENSE_KERNEL_DTYPES,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -145,9 +146,11 @@ class LlamaForCausalLM(nn.Module):
         # The embedding's packed form when its dense copy was released (runner/quantization.py): look-ups
         # dequantize the rows they need.
         self.packed_embedding = None
-        # The native kernels' parts, None until use_kernels: the tied head's bf16 and packed matmuls, and
-        # kernels.DecodeStack over every layer (decode-only steps without adapters run all layers in one call).
+        # The native kernels' parts, None until use_kernels: the tied head's dense, bf16 and packed matmuls,
+        # and kernels.DecodeStack over every layer (decode-only steps without adapters run all layers in one
+        # call).
         self.tied_head_kernel = None
+        self.tied_head_dense_kernel = None
         self.tied_head_quantized_kernel = None
         self.tied_head_max_quantized_rows = 0
         self.decode_stack = None
@@ -201,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
             self.packed_tied_head,
             self.tied_head_quantized_kernel,
             self.tied_head_max_quantized_rows,
+            self.tied_head_dense_kernel,
         )
         return (x @ weight.t() if logits is None else logits).float()
 
@@ -240,19 +244,25 @@ class LlamaForCausalLM(nn.Module):
         block_size: int,
         dtype: torch.dtype,
         int8_batch_activations: bool = False,
+        invariant_dense: bool = True,
     ) -> None:
         """Run on the native CPU kernels once the weights are loaded (the runner calls it after
-        layers.use_native_kernels, with the same int8_batch_activations): the tied head's matmuls and a
-        DecodeStack over these caches."""
+        layers.use_native_kernels, with the same int8_batch_activations and invariant_dense): the tied head's
+        matmuls and a DecodeStack over these caches."""
         if dtype == torch.bfloat16:
             self.tied_head_kernel = kernels.bf16_linear_small_batch
+        weight = self.embed_tokens.weight
+        if invariant_dense and self.packed_tied_head is None and weight.dtype in DENSE_KERNEL_DTYPES:
+            self.tied_head_dense_kernel = kernels.dense_linear
         if self.packed_tied_head is not None:
             self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
-        self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
+        self.decode_stack = make_decode_stack(
+            self, kernels, kv_caches, block_size, int8_batch_activations, invariant_dense
+        )
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP
