@@ -8,7 +8,8 @@ each with the median ms and the ratio to the first scheme.
 Schemes for weights of the compute dtype (safetensors checkpoints, `--dtype float32`):
   torch       what Linear did before: bf16_linear_small_batch up to 8 rows for bf16, else F.linear
   invariant   kernels.dense_linear at every row count
-For F16 weights (GGUF F16 files, kept as stored): `half` (half_linear) against `invariant`.
+GGUF F16/BF16 matrices went through half_linear.cpp, which dense_linear replaced (its numbers: commit d8f1b8f's
+version of this script, `--f16-weights`).
 
     .venv/bin/python bench/dense_matmul.py --rows 1,4,16,64,512 --dtypes bfloat16,float32
 """
@@ -31,15 +32,7 @@ SHAPES = {  # name -> (N, K): Llama-3.2-1B's, the head a 49152-row slice of its 
 }
 
 
-def schemes(kernels, dtype: torch.dtype, weight_dtype: torch.dtype) -> dict:
-    if weight_dtype == torch.float16:
-        return {
-            "half": lambda x, w: kernels.quantized_linear(
-                x, w, torch.empty(0), torch.empty(0), torch.empty(0), w.shape[0]
-            ),
-            "invariant": kernels.dense_linear,
-        }
-
+def schemes(kernels, dtype: torch.dtype) -> dict:
     def before(x, w):
         if dtype == torch.bfloat16 and x.shape[0] <= 8:
             return kernels.bf16_linear_small_batch(x, w)
@@ -59,9 +52,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,4,16,64,512")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="compute dtypes (weights the same)")
-    parser.add_argument(
-        "--f16-weights", action="store_true", help="also F16 weights in the compute dtype's x"
-    )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget-ms", type=float, default=150.0, help="per timing, roughly")
@@ -77,12 +67,11 @@ def main() -> None:
     torch.manual_seed(0)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        weight_dtypes = [dtype] + ([torch.float16] if args.f16_weights else [])
-        for weight_dtype in weight_dtypes:
+        for weight_dtype in [dtype]:
             for shape in args.shapes.split(","):
                 n, k = SHAPES[shape]
                 w = (torch.randn(n, k) * 0.02).to(weight_dtype)
-                named = schemes(kernels, dtype, weight_dtype)
+                named = schemes(kernels, dtype)
                 for rows in [int(r) for r in args.rows.split(",")]:
                     x = torch.randn(rows, k).to(dtype)
                     first = time_once(named["invariant"], x, w, 1)  # warm-up, and the call count
