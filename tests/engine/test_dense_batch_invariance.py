@@ -25,9 +25,7 @@ CHECKPOINTS = {  # compute dtype -> (architecture, tied, checkpoint dtype)
 
 def _answers(outputs) -> list[tuple]:
     """Each request's token ids and every logprob it reported (the chosen token's and its top 2)."""
-    return [
-        (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outputs
-    ]
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
 def _fillers(count: int) -> list[str]:
