@@ -108,7 +108,11 @@ class ModelRunner:
         self.batch_activations = "int8" if int8_batches else "float32"
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
-            self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
+            # the deltas through kernels.dense_linear where there are kernels: the same bits in any batch
+            dense_kernel = None if kernels is None else kernels.dense_linear
+            self.lora_slots = LoraSlots(
+                self.model, lora_config.max_loras, lora_config.max_lora_rank, dense_kernel
+            )
         # Threads per step kind, fixed here: a lone decode (one sequence, one token) may run on fewer
         # (--single-sequence-threads), every other step on all.
         self.num_threads = torch.get_num_threads()
