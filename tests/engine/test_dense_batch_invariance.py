@@ -79,3 +79,16 @@ def test_the_same_with_prefill_chunked_small(setup, alone):
     # with others' chunks and decodes.
     llm = _llm(setup, max_num_batched_tokens=8, enable_prefix_caching=False)
     assert _answers(llm.generate(_fillers(6) + PROBES, PARAMS))[6:] == alone
+
+
+def test_speculative_decoding_answers_as_plain_decoding(setup, alone):
+    # Verifying k+1 tokens of a sequence in one step gives plain decoding's tokens and logprobs only if a
+    # token's logits do not depend on how many rows its step had. Prompts that repeat themselves, so that the
+    # n-gram drafter proposes tokens.
+    llm = _llm(
+        setup, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    )
+    prompts = [(p + " ") * 3 for p in PROBES]
+    expected = _answers(_llm(setup).generate(prompts, PARAMS))
+    assert _answers(llm.generate(prompts, PARAMS)) == expected
+    assert llm.engine.speculator.counters.num_draft_tokens > 0
