@@ -14,7 +14,8 @@ Variants, all in one process on the same weights:
                   cannot run)
   torch-dense     stack+packed with the dense (unpacked) matrices through PyTorch's GEMM and the bf16
                   small-batch kernel, as before kernels.dense_linear (whose order over K does not follow the
-                  row count): its cost on a safetensors checkpoint (`--variants stack+packed,torch-dense`)
+                  row count): its cost on a safetensors checkpoint (`--variants stack+packed,torch-dense`;
+                  stack+packed then runs every dense matrix through dense_linear, as --deterministic does)
 
     .venv/bin/python bench/decode_step.py --batch-sizes 1,8,16,64
     OMP_NUM_THREADS=1 .venv/bin/python bench/decode_step.py --batch-sizes 1
@@ -68,14 +69,21 @@ def build_variants(runner) -> tuple[dict[str, tuple], dict]:
 
 
 def set_invariant_dense(runner, on: bool) -> None:
-    """Dense matrices through kernels.dense_linear (on, the default) or PyTorch's GEMM; rebuilds the stack."""
+    """Dense matrices through kernels.dense_linear (on: every dtype, as --deterministic does) or PyTorch's
+    GEMM; rebuilds the stack."""
     from serval.runner.kernels import load_cpu_kernels
     from serval.runner.layers import use_native_kernels
 
     kernels, int8 = load_cpu_kernels(), runner.batch_activations == "int8"
-    use_native_kernels(runner.model, kernels, int8, invariant_dense=on)
+    use_native_kernels(runner.model, kernels, int8, deterministic=True, invariant_dense=on)
     runner.model.use_kernels(
-        kernels, runner.kv_caches, runner.block_size, runner.dtype, int8, invariant_dense=on
+        kernels,
+        runner.kv_caches,
+        runner.block_size,
+        runner.dtype,
+        int8,
+        deterministic=True,
+        invariant_dense=on,
     )
 
 

@@ -32,6 +32,11 @@ class ModelConfig:
     # llama.cpp's own, docs/benchmarks/2026-12-04.md); "float32", int16 x, closer to the file's exact
     # products; "auto", the faster of the two for the kernel variant (kernels.default_batch_activations).
     batch_activations: str = "auto"
+    # Dense matrices are batch-invariant by default (kernels.dense_linear: one order over K at every row
+    # count) wherever that measured no slower: fp32 weights, GGUF F16/BF16 matrices, LoRA deltas. True also
+    # sends bf16 weights in bf16 compute (a safetensors model on a CPU with native bf16) through it, at
+    # 0.86x oneDNN's whole decode steps at 64 rows (docs/architecture.md, "Batch invariance").
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_activations not in ("auto", "float32", "int8"):

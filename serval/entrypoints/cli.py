@@ -74,7 +74,8 @@ def _pick(options: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
 def engine_config(options: dict[str, Any]) -> EngineConfig:
     model = ModelConfig(
         **_pick(options, {"model": "model", "dtype": "dtype", "device": "device", "seed": "seed",
-                          "max_model_len": "max_model_len", "batch_activations": "batch_activations"}),
+                          "max_model_len": "max_model_len", "batch_activations": "batch_activations",
+                          "deterministic": "deterministic"}),
         single_sequence_threads=options.get("single_sequence_threads", 0),
     )  # fmt: skip
     cache = CacheConfig(

@@ -83,6 +83,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         batch_activations: str = "auto",
+        deterministic: bool = False,
         tensor_parallel_size: int = 1,
         speculative_config: dict | SpeculativeConfig | None = None,
     ):
@@ -99,6 +100,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 batch_activations=batch_activations,
+                deterministic=deterministic,
             ),
             cache=CacheConfig(
                 block_size=block_size,

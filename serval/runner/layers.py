@@ -180,6 +180,15 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 DENSE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def takes_dense_kernel(weight: torch.Tensor, deterministic: bool) -> bool:
+    """Whether a dense (unpacked) weight goes through kernels.dense_linear, a row's bits the same at every
+    row count: fp32 and fp16 ones always (faster than PyTorch's GEMM at every count up to 64 rows, 0.96-1.4x
+    at 512), bf16 ones only when `deterministic` (ModelConfig.deterministic): oneDNN's bf16 GEMM made whole
+    decode steps of 64 rows 1.16x as fast (docs/architecture.md, "Batch invariance")."""
+    is_dense = weight.device.type == "cpu" and weight.dtype in DENSE_KERNEL_DTYPES
+    return is_dense and (deterministic or weight.dtype != torch.bfloat16)
+
+
 class Linear(nn.Linear):
     """nn.Linear that sends its rows to native kernels when they are set: the quantized kernel when the weight
     has an exact packed low-bit form (runner/quantization.py), else the dense kernel (every row count: each
@@ -241,13 +250,18 @@ def small_batch_linear(
 
 
 def use_native_kernels(
-    model: nn.Module, kernels, int8_batch_activations: bool = False, invariant_dense: bool = True
+    model: nn.Module,
+    kernels,
+    int8_batch_activations: bool = False,
+    deterministic: bool = False,
+    invariant_dense: bool = True,
 ) -> None:
     """Point the model's layers at the native CPU kernels (None: back to plain PyTorch everywhere).
 
-    The quantized kernel is used only for packed weights, the dense kernel for the others (invariant_dense:
-    False only to time the path it replaced, bench/decode_step.py: PyTorch's GEMM, whose order over K follows
-    the row count, and the bf16 small-batch kernel for a few rows); norms and SwiGLU take bf16 or fp32.
+    The quantized kernel is used only for packed weights, the dense kernel for the others where
+    takes_dense_kernel says (invariant_dense: False only to time the path it replaced, bench/decode_step.py:
+    PyTorch's GEMM, whose order over K follows the row count, and the bf16 small-batch kernel for a few
+    rows); norms and SwiGLU take bf16 or fp32.
     int8_batch_activations: the quantized kernel rounds x to int8 over 4-bit codes (every row count wherever
     AVX2 is: kernels.int8_rows_from; `--batch-activations int8`).
     """
@@ -256,8 +270,8 @@ def use_native_kernels(
             usable = kernels is not None and module.in_features % 32 == 0
             is_bf16 = module.weight.dtype == torch.bfloat16
             module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
-            is_dense = module.weight.dtype in DENSE_KERNEL_DTYPES and module.weight.device.type == "cpu"
-            use_dense = kernels is not None and invariant_dense and is_dense and module.packed is None
+            is_dense = module.packed is None and takes_dense_kernel(module.weight, deterministic)
+            use_dense = kernels is not None and invariant_dense and is_dense
             module.dense_kernel = kernels.dense_linear if use_dense else None
             has_quantized = kernels is not None and module.packed is not None
             module.quantized_kernel = (

@@ -96,8 +96,11 @@ class ModelRunner:
         wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
         if kernels is not None:
             int8 = wants_int8
-            use_native_kernels(self.model, kernels, int8)
-            self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
+            deterministic = model_config.deterministic
+            use_native_kernels(self.model, kernels, int8, deterministic)
+            self.model.use_kernels(
+                kernels, self.kv_caches, self.block_size, self.dtype, int8, deterministic=deterministic
+            )
         if tensor_parallel is not None:
             self.model.use_tensor_parallel(tensor_parallel.all_reduce)
         self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())

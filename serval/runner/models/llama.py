@@ -19,7 +19,6 @@ from torch import nn
 from serval.runner.attention.backend import StepAttention, paged_attention
 from serval.runner.kernels import packed_rows_limit, quantized_matmul
 from serval.runner.layers import (
-    DENSE_KERNEL_DTYPES,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -28,6 +27,7 @@ from serval.runner.layers import (
     rope_attention_factor,
     rope_inverse_frequencies,
     small_batch_linear,
+    takes_dense_kernel,
 )
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.decode_stack import make_decode_stack
@@ -244,16 +244,21 @@ class LlamaForCausalLM(nn.Module):
         block_size: int,
         dtype: torch.dtype,
         int8_batch_activations: bool = False,
+        deterministic: bool = False,
         invariant_dense: bool = True,
     ) -> None:
         """Run on the native CPU kernels once the weights are loaded (the runner calls it after
-        layers.use_native_kernels, with the same int8_batch_activations and invariant_dense): the tied head's
-        matmuls and a DecodeStack over these caches."""
+        layers.use_native_kernels, with the same int8_batch_activations, deterministic and invariant_dense):
+        the tied head's matmuls and a DecodeStack over these caches."""
         if dtype == torch.bfloat16:
             self.tied_head_kernel = kernels.bf16_linear_small_batch
         weight = self.embed_tokens.weight
-        if invariant_dense and self.packed_tied_head is None and weight.dtype in DENSE_KERNEL_DTYPES:
-            self.tied_head_dense_kernel = kernels.dense_linear
+        dense = (
+            invariant_dense and self.packed_tied_head is None and takes_dense_kernel(weight, deterministic)
+        )
+        self.tied_head_dense_kernel = kernels.dense_linear if dense else None
+        # The layers' dense matrices are in the compute dtype: the stack takes one choice for all of them.
+        invariant_dense = invariant_dense and takes_dense_kernel(torch.empty(0, dtype=dtype), deterministic)
         if self.packed_tied_head is not None:
             self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)

@@ -144,10 +144,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         return RotaryEmbedding(arch.head_dim, size, inv_freq)
 
     def use_kernels(
-        self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False, invariant_dense=True
+        self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False, **dense
     ) -> None:
         """The decoder's kernels (llama.py), and the vision tower's rotation through the native RoPE kernel."""
-        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations, invariant_dense)
+        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations, **dense)
         for module in self.visual.modules():
             if isinstance(module, VisionAttention):
                 module.native_rotary = kernels.rotary_embedding_
