@@ -257,3 +257,17 @@ def test_bad_speculative_configs_are_refused_at_start(text, message, capsys):
 def test_a_bad_speculative_config_in_the_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown speculative config key"):
         read_mindie_config(write(tmp_path, {"SpeculativeConfig": {"method": "ngram", "k": 1}}))
+
+
+def test_deterministic_from_the_flag_and_the_file(tmp_path):
+    def deterministic(argv: list[str]) -> bool:
+        return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).model.deterministic
+
+    assert deterministic([]) is False  # bf16 dense weights keep oneDNN's faster GEMM
+    assert deterministic(["--deterministic"]) is True
+    deploy = {**MINDIE["BackendConfig"]["ModelDeployConfig"], "deterministic": True}
+    data = {**MINDIE, "BackendConfig": {**MINDIE["BackendConfig"], "ModelDeployConfig": deploy}}
+    assert deterministic(["--config", write(tmp_path, data)]) is True
+    deploy["deterministic"] = "yes"
+    with pytest.raises(ValueError, match="ModelDeployConfig.deterministic must be a bool"):
+        read_mindie_config(write(tmp_path, data))
