@@ -125,8 +125,7 @@ class LLM:
         self._loop: OfflineLoop | None = None  # the pipeline: started by the first generate or chat
         self._close_loop = None
         self.model_name = os.path.basename(os.path.normpath(source.path))  # as refusals name it
-        # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
-        # sequence limit): the context alone bounds a prompt and its answer.
+        # The server's rules without a deployment's caps (maxInputTokenLen, ...): the context alone bounds.
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
