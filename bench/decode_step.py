@@ -12,6 +12,10 @@ Variants, all in one process on the same weights:
   stack+packed    + the exact 4/8-bit packed weights (the default; up to 8 rows on avx512, every batch
                   size elsewhere, where the dense copies are freed at load and the other two variants
                   cannot run)
+  torch-dense     stack+packed with the dense (unpacked) matrices through PyTorch's GEMM and the bf16
+                  small-batch kernel, as before kernels.dense_linear (whose order over K does not follow the
+                  row count): its cost on a safetensors checkpoint (`--variants stack+packed,torch-dense`;
+                  stack+packed then runs every dense matrix through dense_linear, as --deterministic does)
 
     .venv/bin/python bench/decode_step.py --batch-sizes 1,8,16,64
     OMP_NUM_THREADS=1 .venv/bin/python bench/decode_step.py --batch-sizes 1
@@ -42,6 +46,7 @@ def build_variants(runner) -> tuple[dict[str, tuple], dict]:
     """({variant: (decode stack or None, packed weights on)}, {module: its quantized kernel})."""
     from serval.runner.kernels import load_cpu_kernels
     from serval.runner.layers import Linear
+    from serval.runner.models.decode_stack import make_decode_stack
     from serval.runner.quantization import is_placeholder
 
     model = runner.model
@@ -56,16 +61,39 @@ def build_variants(runner) -> tuple[dict[str, tuple], dict]:
     plain_stack = None
     if full_stack is not None:
         set_packed(model, packed, False)  # a stack built now holds no packed forms
-        plain_stack = model.make_decode_stack(load_cpu_kernels(), runner.kv_caches, runner.block_size)
+        int8 = runner.batch_activations == "int8"
+        plain_stack = make_decode_stack(model, load_cpu_kernels(), runner.kv_caches, runner.block_size, int8)
         set_packed(model, packed, True)
     variants = {"layers": (None, False), "stack": (plain_stack, False), "stack+packed": (full_stack, True)}
     return variants, packed
 
 
-def use_variant(model, variants: dict[str, tuple], packed: dict, variant: str) -> None:
-    stack, packed_on = variants[variant]
-    model.decode_stack = stack
-    set_packed(model, packed, packed_on)
+def set_invariant_dense(runner, on: bool) -> None:
+    """Dense matrices through kernels.dense_linear (on: every dtype, as --deterministic does) or PyTorch's
+    GEMM; rebuilds the stack."""
+    from serval.runner.kernels import load_cpu_kernels
+    from serval.runner.layers import use_native_kernels
+
+    kernels, int8 = load_cpu_kernels(), runner.batch_activations == "int8"
+    use_native_kernels(runner.model, kernels, int8, deterministic=True, invariant_dense=on)
+    runner.model.use_kernels(
+        kernels,
+        runner.kv_caches,
+        runner.block_size,
+        runner.dtype,
+        int8,
+        deterministic=True,
+        invariant_dense=on,
+    )
+
+
+def use_variant(runner, variants: dict[str, tuple], packed: dict, variant: str) -> None:
+    if "torch-dense" in variants:
+        set_invariant_dense(runner, variant != "torch-dense")
+    stack, packed_on = variants["stack+packed" if variant == "torch-dense" else variant]
+    if variant != "torch-dense":
+        runner.model.decode_stack = stack
+    set_packed(runner.model, packed, packed_on)
 
 
 def time_forward_passes(model) -> list[float]:
@@ -121,6 +149,8 @@ def main() -> None:
     engine, runner = llm.engine, llm.engine.runner
     model = runner.model
     available, packed = build_variants(runner)
+    if "torch-dense" in variants:
+        available["torch-dense"] = available["stack+packed"]
     unavailable = [v for v in variants if v not in available]
     if unavailable:
         print(f"skipping {', '.join(unavailable)}: the dense weights were freed at load", file=sys.stderr)
@@ -140,7 +170,7 @@ def main() -> None:
         host_times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant in variants:
-                use_variant(model, available, packed, variant)
+                use_variant(runner, available, packed, variant)
                 engine.step()
                 engine.step()  # warm-up after a switch
                 for _ in range(args.steps):
@@ -149,7 +179,7 @@ def main() -> None:
                     engine.step()
                     times[variant].append(time.perf_counter() - started)
                     host_times[variant].append(times[variant][-1] - sum(forward))
-        use_variant(model, available, packed, "stack+packed")
+        use_variant(runner, available, packed, "stack+packed")
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
         for variant, samples in times.items():

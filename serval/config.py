@@ -39,6 +39,11 @@ class ModelConfig:
     # CUDA only: decode-only steps of up to this many sequences replay captured CUDA graphs
     # (runner/decode_graphs.py); 0 runs every step eagerly. Ignored on the CPU.
     cuda_graph_max_batch: int = 256
+    # Dense matrices are batch-invariant by default (kernels.dense_linear: one order over K at every row
+    # count) wherever that measured no slower: fp32 weights, GGUF F16/BF16 matrices, LoRA deltas. True also
+    # sends bf16 weights in bf16 compute (a safetensors model on a CPU with native bf16) through it, at
+    # 0.86x oneDNN's whole decode steps at 64 rows (docs/architecture.md, "Batch invariance").
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:

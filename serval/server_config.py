@@ -334,6 +334,8 @@ def _deploy_options(data: dict[str, Any], deploy: dict[str, Any], base_dir: str)
         npu_mem_gib = _typed(models[0], "npuMemSize", int, "ModelConfig[0]")
         if npu_mem_gib is not None and npu_mem_gib > 0:  # -1: automatic
             options["kv_cache_memory_bytes"] = npu_mem_gib * GIB
+    # Not a MindIE key: --deterministic, beside the models.
+    options["deterministic"] = _typed(deploy, "deterministic", bool, "ModelDeployConfig")
     lora_modules = deploy.get("LoraModules", data.get("LoraModules"))
     if lora_modules is not None:
         options["lora_modules"] = _lora_modules(lora_modules, base_dir)

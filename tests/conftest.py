@@ -20,16 +20,20 @@ ARCHITECTURES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """(architecture, tied) -> (directory, transformers model); each written once."""
+    """(architecture, tied, checkpoint dtype) -> (directory, transformers model); each written once."""
     made: dict = {}
 
-    def make(architecture: str, tie_word_embeddings: bool = False):
-        key = (architecture, tie_word_embeddings)
+    def make(architecture: str, tie_word_embeddings: bool = False, dtype: torch.dtype = torch.float32):
+        key = (architecture, tie_word_embeddings, dtype)
         if key not in made:
             directory = tmp_path_factory.mktemp(
                 f"tiny-{architecture}-{'tied' if tie_word_embeddings else 'untied'}"
+                + ("" if dtype == torch.float32 else f"-{str(dtype).removeprefix('torch.')}")
             )
-            made[key] = (str(directory), write_tiny_model(str(directory), architecture, tie_word_embeddings))
+            made[key] = (
+                str(directory),
+                write_tiny_model(str(directory), architecture, tie_word_embeddings, dtype=dtype),
+            )
         return made[key]
 
     return make

@@ -76,7 +76,8 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
         **_pick(options, {"model": "model", "dtype": "dtype", "device": "device", "seed": "seed",
                           "max_model_len": "max_model_len", "batch_activations": "batch_activations",
                           "attention_backend": "attention_backend",
-                          "cuda_graph_max_batch": "cuda_graph_max_batch"}),
+                          "cuda_graph_max_batch": "cuda_graph_max_batch",
+                          "deterministic": "deterministic"}),
         single_sequence_threads=options.get("single_sequence_threads", 0),
     )  # fmt: skip
     cache = CacheConfig(

@@ -228,6 +228,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "float32 (int16 x: near-exact products of the file's weights) or auto (default: int8 on AVX2, "
         "float32 with AVX-512, where it is faster up to 16 rows; docs/configuration.md)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="bf16 dense weights too through the batch-invariant matmul (fp32, F16 and packed weights always "
+        "are): a request's answer the same alone and in any batch, at ~0.86x the decode throughput of "
+        "64 streams (docs/configuration.md)",
+    )
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--attention-backend",

@@ -83,6 +83,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         batch_activations: str = "auto",
+        deterministic: bool = False,
         tensor_parallel_size: int = 1,
         speculative_config: dict | SpeculativeConfig | None = None,
         attention_backend: str = "auto",
@@ -91,14 +92,14 @@ class LLM:
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
         close() stops them (else they stop when this process exits). speculative_config: vLLM's keys
         ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig).
-        attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md)."""
+        deterministic, attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
             model=ModelConfig(
                 model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                 batch_activations=batch_activations, attention_backend=attention_backend,
-                cuda_graph_max_batch=cuda_graph_max_batch,
+                cuda_graph_max_batch=cuda_graph_max_batch, deterministic=deterministic,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes, num_blocks=num_kv_blocks,
@@ -120,8 +121,7 @@ class LLM:
         self._loop: OfflineLoop | None = None  # the pipeline: started by the first generate or chat
         self._close_loop = None
         self.model_name = os.path.basename(os.path.normpath(source.path))  # as refusals name it
-        # The server's rules without a deployment's extra caps (maxInputTokenLen, maxIterTimes, per-request
-        # sequence limit): the context alone bounds a prompt and its answer.
+        # The server's rules without a deployment's caps (maxInputTokenLen, ...): the context alone bounds.
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)

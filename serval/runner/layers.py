@@ -176,11 +176,25 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+# Weight dtypes kernels.dense_linear takes (x in the compute dtype, fp32 sums).
+DENSE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def takes_dense_kernel(weight: torch.Tensor, deterministic: bool) -> bool:
+    """Whether a dense (unpacked) weight goes through kernels.dense_linear, a row's bits the same at every
+    row count: fp32 and fp16 ones always (faster than PyTorch's GEMM at every count up to 64 rows, 0.96-1.4x
+    at 512), bf16 ones only when `deterministic` (ModelConfig.deterministic): oneDNN's bf16 GEMM made whole
+    decode steps of 64 rows 1.16x as fast (docs/architecture.md, "Batch invariance")."""
+    is_dense = weight.device.type == "cpu" and weight.dtype in DENSE_KERNEL_DTYPES
+    return is_dense and (deterministic or weight.dtype != torch.bfloat16)
+
+
 class Linear(nn.Linear):
-    """nn.Linear that sends decode-sized inputs (a few rows) to native kernels when they are set: the
-    quantized kernel when the weight has an exact packed low-bit form (runner/quantization.py), else the bf16
-    small-batch kernel; and adds the LoRA deltas of the step's adapters when it has adapter slots and the
-    step uses any.
+    """nn.Linear that sends its rows to native kernels when they are set: the quantized kernel when the weight
+    has an exact packed low-bit form (runner/quantization.py), else the dense kernel (every row count: each
+    row summed over K in one order, so its bits never depend on the batch), else, for a few rows, the bf16
+    small-batch kernel; and adds the LoRA deltas of the step's adapters when it has adapter slots and the step
+    uses any.
 
     The loader sets `packed`, the runner sets the kernels after loading (`use_native_kernels`) and
     `lora_target` when LoRA is enabled (runner/lora.py); without them this is exactly nn.Linear.
@@ -188,6 +202,7 @@ class Linear(nn.Linear):
 
     MAX_KERNEL_ROWS = 8
     small_batch_kernel = None
+    dense_kernel = None  # kernels.dense_linear for dense weights (not packed), set by use_native_kernels
     quantized_kernel = None  # kernels.quantized_linear, set only when `packed` is
     max_quantized_rows = 0  # the packed path's row limit (kernels.packed_rows_limit), set with it
     packed: PackedWeight | PackedParts | None = None
@@ -201,6 +216,7 @@ class Linear(nn.Linear):
             self.packed,
             self.quantized_kernel,
             self.max_quantized_rows,
+            self.dense_kernel,
         )
         if y is None:
             y = F.linear(x, self.weight, self.bias)
@@ -218,30 +234,45 @@ def small_batch_linear(
     packed: PackedWeight | PackedParts | None = None,
     quantized_kernel=None,
     max_quantized_rows: int = 0,
+    dense_kernel=None,
 ) -> torch.Tensor | None:
     """x @ weight.T through a native kernel when x has few enough rows for one (the packed kernel: up to
-    max_quantized_rows); None: use PyTorch's."""
+    max_quantized_rows; the dense kernel: any count); None: use PyTorch's."""
     if x.dim() != 2:
         return None
     if quantized_kernel is not None and packed is not None and x.shape[0] <= max_quantized_rows:
         return packed.matmul(quantized_kernel, x)
+    if dense_kernel is not None:
+        return dense_kernel(x, weight)
     if kernel is not None and x.shape[0] <= Linear.MAX_KERNEL_ROWS:
         return kernel(x, weight)
     return None
 
 
-def use_native_kernels(model: nn.Module, kernels, int8_batch_activations: bool = False) -> None:
+def use_native_kernels(
+    model: nn.Module,
+    kernels,
+    int8_batch_activations: bool = False,
+    deterministic: bool = False,
+    invariant_dense: bool = True,
+) -> None:
     """Point the model's layers at the native CPU kernels (None: back to plain PyTorch everywhere).
 
-    The bf16 matmul kernel is used only for bf16 weights, the quantized one only for packed weights; norms
-    and SwiGLU take bf16 or fp32. int8_batch_activations: the quantized kernel rounds x to int8 over 4-bit codes
-    (every row count wherever AVX2 is: kernels.int8_rows_from; `--batch-activations int8`).
+    The quantized kernel is used only for packed weights, the dense kernel for the others where
+    takes_dense_kernel says (invariant_dense: False only to time the path it replaced, bench/decode_step.py:
+    PyTorch's GEMM, whose order over K follows the row count, and the bf16 small-batch kernel for a few
+    rows); norms and SwiGLU take bf16 or fp32.
+    int8_batch_activations: the quantized kernel rounds x to int8 over 4-bit codes (every row count wherever
+    AVX2 is: kernels.int8_rows_from; `--batch-activations int8`).
     """
     for module in model.modules():
         if isinstance(module, Linear):
             usable = kernels is not None and module.in_features % 32 == 0
             is_bf16 = module.weight.dtype == torch.bfloat16
             module.small_batch_kernel = kernels.bf16_linear_small_batch if usable and is_bf16 else None
+            is_dense = module.packed is None and takes_dense_kernel(module.weight, deterministic)
+            use_dense = kernels is not None and invariant_dense and is_dense
+            module.dense_kernel = kernels.dense_linear if use_dense else None
             has_quantized = kernels is not None and module.packed is not None
             module.quantized_kernel = (
                 quantized_matmul(kernels, int8_batch_activations) if has_quantized else None

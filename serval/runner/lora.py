@@ -122,12 +122,19 @@ class LoraTarget:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        dense_kernel=None,
     ):
+        dense = dense_kernel is not None
         self.shards = shards  # (Hugging Face module suffix, first output column, columns), in output order
         width = len(shards) * max_rank
         # (max_loras, width, in_features): A; (max_loras, width, out_features): (scaling * B)^T
         self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        # kernels.dense_linear (LoraSlots sets it with the native kernels): then both products go through it,
+        # a row's delta the same bits whatever else is in the step; it takes B as (max_loras, out_features,
+        # width), scaling * B itself. Unused rows of A and columns of B are zeros, which add nothing.
+        self.dense_kernel = dense_kernel
+        self.b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device) if dense else None
         # Per slot, the rows of a[slot] and bt[slot] in use as (width, in) and (width, out) views, or None
         # where the slot leaves this Linear alone. NOTE: kept rather than sliced per call: slicing the 3-d
         # stacks costs about a third of the whole delta at decode sizes.
@@ -135,6 +142,9 @@ class LoraTarget:
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
         """y (num_tokens, out_features) += the LoRA delta of each row's slot; x (num_tokens, in_features)."""
+        if self.dense_kernel is not None:
+            self._add_invariant_delta(y, x, batch)
+            return
         for group in batch.groups:
             weights = self.slot_weights[group.slot]
             if weights is None:
@@ -147,6 +157,20 @@ class LoraTarget:
             else:
                 y.addmm_(x @ a.t(), bt)
 
+    def _add_invariant_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
+        # Each row's delta is computed from that row alone and added once, in all three group forms.
+        matmul = self.dense_kernel
+        for group in batch.groups:
+            if self.slot_weights[group.slot] is None:
+                continue
+            a, b = self.a[group.slot], self.b[group.slot]  # (width, in_features), (out_features, width)
+            if group.rows is not None:
+                y.index_add_(0, group.rows, matmul(matmul(x.index_select(0, group.rows), a), b))
+            elif group.mask is not None:
+                y.add_(matmul(matmul(x, a).mul_(group.mask), b))
+            else:
+                y.add_(matmul(matmul(x, a), b))
+
     def load(self, slot: int, shard_weights: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int):
         """Copy one adapter into `slot`: per shard its (A, scaled B), or None where it leaves the shard."""
         self.clear(slot)
@@ -157,6 +181,8 @@ class LoraTarget:
             a, b = weights
             self.a[slot, row : row + rank].copy_(a)
             self.bt[slot, row : row + rank, start : start + size].copy_(b.t())
+            if self.b is not None:
+                self.b[slot, start : start + size, row : row + rank].copy_(b)
             row += rank
         if row:
             self.slot_weights[slot] = (self.a[slot, :row], self.bt[slot, :row])
@@ -164,6 +190,8 @@ class LoraTarget:
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.bt[slot].zero_()
+        if self.b is not None:
+            self.b[slot].zero_()
         self.slot_weights[slot] = None
 
 
@@ -174,7 +202,7 @@ class LoraSlots:
     output row, rows). Each Linear named there gets a LoraTarget as its `lora_target`.
     """
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dense_kernel=None):
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.layout: dict[str, tuple[str, int, int]] = model.lora_layout()
@@ -199,6 +227,7 @@ class LoraSlots:
                     max_rank,
                     self.dtype,
                     self.device,
+                    dense_kernel,
                 )
                 linear.lora_target = target
                 self.targets.append((layer_index, target))

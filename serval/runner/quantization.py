@@ -72,7 +72,7 @@ class BlockCodes:
 class PackedWeight:
     """A (out_features, in_features) matrix in one of the kernel's layouts (kernels/quantized.h): w = d q + m
     per row and scale block, d and m as the file stores them; or (bits 16) a GGUF F16/BF16 matrix's own
-    values, which the kernel widens in registers (kernels/half_linear.cpp)."""
+    values, which the kernel widens in registers (kernels/dense_linear.cpp)."""
 
     bits: int  # 4, 5, 6 or 8: the codes' width; 16: fp16/bf16 values, no scales
     out_features: int

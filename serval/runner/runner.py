@@ -65,23 +65,16 @@ class ModelRunner:
         self.decode_graphs = decode_graphs_for(
             self, model_config.cuda_graph_max_batch, lora_config, tensor_parallel
         )
-        asked = model_config.batch_activations
-        wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
-        if kernels is not None:
-            int8 = wants_int8
-            use_native_kernels(self.model, kernels, int8)
-            self.model.use_kernels(kernels, self.kv_caches, self.block_size, self.dtype, int8)
+        self.batch_activations = self._attach_kernels(kernels, model_config)
         if tensor_parallel is not None:
             self.model.use_tensor_parallel(tensor_parallel.all_reduce)
-        self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
-        # In effect, not asked for: dense weights and the portable build (no int8 path) keep batches exact.
-        int8_batches = (
-            wants_int8 and self.has_packed_weights and self.kernel_variant not in ("none", "portable")
-        )
-        self.batch_activations = "int8" if int8_batches else "float32"
         self.lora_slots = None
         if lora_config is not None and lora_config.is_enabled:
-            self.lora_slots = LoraSlots(self.model, lora_config.max_loras, lora_config.max_lora_rank)
+            # the deltas through kernels.dense_linear where there are kernels: the same bits in any batch
+            dense_kernel = None if kernels is None else kernels.dense_linear
+            self.lora_slots = LoraSlots(
+                self.model, lora_config.max_loras, lora_config.max_lora_rank, dense_kernel
+            )
         # Threads per step kind, fixed here: a lone decode (one sequence, one token) may run on fewer
         # (--single-sequence-threads), every other step on all.
         self.num_threads = torch.get_num_threads()
@@ -89,6 +82,23 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
+
+    def _attach_kernels(self, kernels, model_config: ModelConfig) -> str:
+        """Put the loaded model on the native kernels (if any); the batch activations in effect: "int8" or
+        "float32" (dense weights and the portable build, with no int8 path, keep batches exact)."""
+        asked = model_config.batch_activations
+        wants_int8 = (asked == "auto" and default_batch_activations(kernels) == "int8") or asked == "int8"
+        if kernels is not None:
+            deterministic = model_config.deterministic
+            use_native_kernels(self.model, kernels, wants_int8, deterministic)
+            self.model.use_kernels(
+                kernels, self.kv_caches, self.block_size, self.dtype, wants_int8, deterministic=deterministic
+            )
+        self.has_packed_weights = any(getattr(m, "packed", None) is not None for m in self.model.modules())
+        int8_batches = (
+            wants_int8 and self.has_packed_weights and self.kernel_variant not in ("none", "portable")
+        )
+        return "int8" if int8_batches else "float32"
 
     def _open_checkpoint(
         self, source: ModelSource, lora_config: LoraConfig | None, tensor_parallel: TensorParallelPart | None

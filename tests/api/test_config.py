@@ -268,3 +268,17 @@ def test_attention_backend_and_cuda_graph_flags_reach_the_model_config():
     assert (chosen.attention_backend, chosen.cuda_graph_max_batch) == ("triton", 0)
     with pytest.raises(ValueError, match="cuda_graph_max_batch"):
         model_config("--cuda-graph-max-batch", "-1")
+
+
+def test_deterministic_from_the_flag_and_the_file(tmp_path):
+    def deterministic(argv: list[str]) -> bool:
+        return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).model.deterministic
+
+    assert deterministic([]) is False  # bf16 dense weights keep oneDNN's faster GEMM
+    assert deterministic(["--deterministic"]) is True
+    deploy = {**MINDIE["BackendConfig"]["ModelDeployConfig"], "deterministic": True}
+    data = {**MINDIE, "BackendConfig": {**MINDIE["BackendConfig"], "ModelDeployConfig": deploy}}
+    assert deterministic(["--config", write(tmp_path, data)]) is True
+    deploy["deterministic"] = "yes"
+    with pytest.raises(ValueError, match="ModelDeployConfig.deterministic must be a bool"):
+        read_mindie_config(write(tmp_path, data))

@@ -97,6 +97,22 @@ def test_base_and_two_adapters_in_one_batch(setup, monkeypatch, max_masked_token
         assert (logits[row] - theirs).abs().max().item() < 1e-3, (row, name)
 
 
+@pytest.mark.parametrize("max_masked_tokens", [0, 10**6], ids=["gather rows", "mask rows"])
+def test_a_prompt_has_the_same_logits_alone_and_beside_other_adapters(setup, monkeypatch, max_masked_tokens):
+    # Batch invariance with adapters: the deltas go through kernels.dense_linear, so a row's logits are the
+    # same bits alone (its group: every row of the step) and gathered or masked out of a mixed step.
+    if setup[0].runner.kernel_variant == "none":
+        pytest.skip("no native kernels: the deltas take PyTorch's matmuls")
+    monkeypatch.setattr(lora_module, "MAX_MASKED_TOKENS", max_masked_tokens)
+    engine, _ = setup
+    names = [None, "full", "partial"] * 3
+    prompts = [PROMPTS[i // 3] for i in range(len(names))]
+    logits = _batch_logits(engine, prompts, names)
+    for row in range(len(names)):
+        alone = _batch_logits(engine, [prompts[row]], [names[row]])[0]
+        assert torch.equal(alone, logits[row]), (row, names[row])
+
+
 def test_greedy_in_one_batch_matches_peft(setup):
     # Prefill and decode steps (a handful of rows, the small-batch path) with all three models batched.
     engine, references = setup

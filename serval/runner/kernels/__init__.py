@@ -42,7 +42,7 @@ SOURCES = tuple(
         "decode_stack.cpp",
         "quantized_linear.cpp",
         "quantized_int8.cpp",
-        "half_linear.cpp",
+        "dense_linear.cpp",
         "gguf_repack.cpp",
         "moe.cpp",
     )

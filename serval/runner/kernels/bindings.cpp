@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL while it runs: the engine thread computes while the event loop serves.
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16", release());
+  m.def("dense_linear", &dense_linear, "x @ w.T for dense weights, a row's bits the same at any row count",
+        release());
   // Which instruction-set variant this build is (kernels/__init__.py compiles one module per variant).
   m.attr("variant") = SERVAL_STRINGIFY(SERVAL_VARIANT);
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
@@ -50,6 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<double>>&,
                           const std::vector<int64_t>&,
                           int64_t, int64_t, int64_t,
-                          int64_t, double, double, int64_t, int64_t, bool>())
+                          int64_t, double, double, int64_t, int64_t, bool, bool>())
       .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step, in place on x", release());
 }

@@ -150,8 +150,9 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
 // From how many rows of x int8_batch_activations rounds x to int8 over 4-bit codes (quantized_int8.cpp says
 // why per build); 0 where this build has no int8 path.
 int64_t int8_rows_from();
-// x @ w.T for w (N, K) in fp16 or bf16, widened in registers (half_linear.cpp); quantized_linear's 16-bit layout.
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
+// x @ w.T for dense w (N, K) in fp32, bf16 or f16, each output summed over K in one order whatever x's row
+// count (dense_linear.cpp); the result in x's dtype. Also quantized_linear's 16-bit layout (GGUF F16/BF16).
+at::Tensor dense_linear(at::Tensor x, at::Tensor w);
 // A sparse MoE layer's routed experts over packed stacked expert matrices (moe.cpp); (tokens, hidden) fp32.
 at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
                        std::vector<at::Tensor> up, std::vector<at::Tensor> down, at::Tensor gate_bias,

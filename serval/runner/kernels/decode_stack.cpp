@@ -33,9 +33,10 @@ struct LinearWeights {
   bool use_small_batch_kernel = false;
   int64_t max_quantized_rows = 0, max_small_batch_rows = 0;  // Linear.MAX_QUANTIZED_ROWS, MAX_KERNEL_ROWS
   bool int8_batch_activations = false;  // quantized_linear's
+  bool invariant_dense = false;  // dense weights through dense_linear at every row count (batch invariance)
 
-  // The Linear layer's dispatch: the quantized kernel for a few rows when packed, else the small-batch
-  // bf16 kernel for a few rows, else PyTorch's matmul.
+  // The Linear layer's dispatch: the quantized kernel for a few rows when packed, else dense_linear where
+  // it is asked for, else the small-batch bf16 kernel for a few rows, else PyTorch's matmul.
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& bias) const {
     at::Tensor y;
     if (!packed.empty() && x.size(0) <= max_quantized_rows) {
@@ -44,6 +45,8 @@ struct LinearWeights {
         outputs.push_back(quantized_linear(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features,
                                           int8_batch_activations));
       y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+    } else if (invariant_dense) {
+      y = dense_linear(x, weight);
     } else if (use_small_batch_kernel && x.size(0) <= max_small_batch_rows) {
       y = bf16_linear_small_batch(x, weight);
     } else {
@@ -56,7 +59,7 @@ struct LinearWeights {
 // t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
 // whole groups of 16 rows (PackedParts), so its row count is its codes' (groups, or rows of 16-bit weights).
 LinearWeights linear_weights(const std::vector<at::Tensor>& t, int64_t max_quantized_rows,
-                             int64_t max_small_batch_rows, bool int8_batch_activations) {
+                             int64_t max_small_batch_rows, bool int8_batch_activations, bool invariant_dense) {
   TORCH_CHECK(!t.empty() && (t.size() - 1) % 4 == 0, "a linear layer: its weight and 4 tensors per packed part");
   LinearWeights w{t[0]};
   int64_t rows_left = w.weight.size(0);
@@ -70,6 +73,7 @@ LinearWeights linear_weights(const std::vector<at::Tensor>& t, int64_t max_quant
   w.max_quantized_rows = max_quantized_rows;
   w.max_small_batch_rows = max_small_batch_rows;
   w.int8_batch_activations = int8_batch_activations;
+  w.invariant_dense = invariant_dense && w.packed.empty();
   w.use_small_batch_kernel = w.weight.scalar_type() == at::kBFloat16 && w.weight.size(1) % 32 == 0;
   return w;
 }
@@ -119,7 +123,7 @@ class DecodeStack::Layers {
          const std::vector<std::vector<at::Tensor>>& experts, const std::vector<std::vector<double>>& expert_params,
          const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
          int64_t head_dim, int64_t block_size, double eps, double scale, int64_t max_quantized_rows,
-         int64_t max_small_batch_rows, bool int8_batch_activations)
+         int64_t max_small_batch_rows, bool int8_batch_activations, bool invariant_dense)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
         eps_(eps), scale_(scale), int8_batch_activations_(int8_batch_activations) {
     TORCH_CHECK(layers.size() == linears.size() && layers.size() == windows.size() &&
@@ -132,7 +136,8 @@ class DecodeStack::Layers {
                   "each layer: 9 tensors and 4 linear layers (2 in a sparse layer)");
       auto linear = [&](size_t j) {
         if (j >= linears[i].size()) return LinearWeights{};
-        return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations);
+        return linear_weights(linears[i][j], max_quantized_rows, max_small_batch_rows, int8_batch_activations,
+                              invariant_dense);
       };
       layers_.push_back({t[0], optional(t[1]), optional(t[2]), optional(t[3]), t[4], linear(0), linear(1),
                          linear(2), linear(3), t[5], t[6], windows[i], optional(t[7]), optional(t[8])});
@@ -225,9 +230,11 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
                          const std::vector<std::vector<double>>& expert_params,
                          const std::vector<int64_t>& windows, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
-                         int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations)
+                         int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations,
+                         bool invariant_dense)
     : layers_(std::make_shared<Layers>(layers, linears, experts, expert_params, windows, num_heads, num_kv_heads, head_dim, block_size, eps, scale,
-                                       max_quantized_rows, max_small_batch_rows, int8_batch_activations)) {}
+                                       max_quantized_rows, max_small_batch_rows, int8_batch_activations,
+                                       invariant_dense)) {}
 
 void DecodeStack::forward(at::Tensor x, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor context_lens,
                           at::Tensor cos, at::Tensor sin) {

@@ -20,7 +20,8 @@ class DecodeStack {
               const std::vector<std::vector<double>>& expert_params,
               const std::vector<int64_t>& windows, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale,
-              int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations);
+              int64_t max_quantized_rows, int64_t max_small_batch_rows, bool int8_batch_activations,
+              bool invariant_dense);
 
   // x: (num_seqs, hidden) fp32 residual stream, updated in place. slot_mapping (num_seqs,): where each
   // sequence's new K/V go; block_tables (num_seqs, max_blocks) and context_lens (num_seqs,) int64, as the

@@ -343,13 +343,14 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
 // int8_batch_activations: x is rounded to int8 per block (as llama.cpp does: faster, not exact) and goes through
 // quantized_int8.cpp where it has the layout, from int8_rows_from() rows on. offsets and super_scales may be empty
 // (undefined in the DecodeStack): the layout has none. codes in fp16 or
-// bf16, (N, K) with no scales, are 16-bit weights: half_linear.cpp computes those.
+// bf16, (N, K) with no scales, are 16-bit weights: dense_linear.cpp computes those, as stored.
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                at::Tensor super_scales, int64_t N, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
   if (codes.scalar_type() == at::kHalf || codes.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(!present(scales) && !present(offsets) && !present(super_scales), "16-bit weights have no scales");
-    return half_linear(x, codes, N);  // the checkpoint's F16/BF16 values as they are
+    TORCH_CHECK(codes.dim() == 2 && codes.size(0) == N, "16-bit weights: (N, K)");
+    return dense_linear(x, codes);  // the checkpoint's F16/BF16 values as they are
   }
   const int64_t M = x.size(0), K = x.size(1), num_groups = codes.size(0);
   TORCH_CHECK(K % kBlock == 0, "K: a multiple of 32");

@@ -49,10 +49,16 @@ def _experts(mlp: SparseMoe) -> tuple[list[torch.Tensor], list[float]]:
 
 
 def make_decode_stack(
-    model, kernels, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, int8: bool
+    model,
+    kernels,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_size: int,
+    int8: bool,
+    invariant_dense: bool = True,
 ):
     """kernels.DecodeStack over the model's layers and these caches, or None when a layer is one the stack
-    does not run (see the module's docstring): such models decode layer by layer."""
+    does not run (see the module's docstring): such models decode layer by layer. invariant_dense: dense
+    weights through kernels.dense_linear, as layers.use_native_kernels sets them."""
     arch = model.arch
     if arch.rotary_dim or arch.rope_interleaved or arch.qk_norm_over_heads:
         return None  # the stack turns whole heads' halves and norms q/k per head
@@ -90,5 +96,5 @@ def make_decode_stack(
     return kernels.DecodeStack(
         layers, linears, experts, expert_params, windows, arch.num_heads, arch.num_kv_heads, arch.head_dim,
         block_size, arch.rms_norm_eps, model.layers[0].self_attn.scale, packed_rows_limit(kernels),
-        Linear.MAX_KERNEL_ROWS, int8,
+        Linear.MAX_KERNEL_ROWS, int8, invariant_dense,
     )  # fmt: skip

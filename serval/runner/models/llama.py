@@ -1,11 +1,8 @@
-"""The Llama-family decoder: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm),
-and their mixture-of-experts forms: Mixtral, Qwen2-MoE, Qwen3-MoE (a sparse MLP, runner/moe.py, in some or
-all layers) and gpt-oss (q/k/v/o biases, a learned attention sink per head, sliding-window attention on
-alternate layers, YaRN RoPE, biased experts with a clamped SwiGLU) and MiniMax-M2 (q/k norms over all heads,
-partial RoPE, sigmoid routing with a correction bias). GLM-4 and GLM-4.5 subclass it (models/glm.py).
-
-These differ only in flags of ArchConfig, so one module serves them all. Weights arrive with Hugging Face
-names and are packed into fused q/k/v and gate/up matrices (and stacked expert matrices) as they load.
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), their mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE: runner/moe.py), gpt-oss (biases, attention sinks, sliding windows, YaRN, a
+clamped SwiGLU) and MiniMax-M2 (q/k norms over all heads, partial RoPE, sigmoid routing). GLM-4/4.5 and
+DeepSeek subclass it (models/glm.py, models/deepseek.py). They differ in flags of ArchConfig; weights arrive
+with Hugging Face names and are packed into fused q/k/v, gate/up and stacked expert matrices as they load.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from serval.runner.layers import (
     rope_attention_factor,
     rope_inverse_frequencies,
     small_batch_linear,
+    takes_dense_kernel,
 )
 from serval.runner.models.arch import ArchConfig
 from serval.runner.models.decode_stack import make_decode_stack
@@ -152,9 +150,11 @@ class LlamaForCausalLM(nn.Module):
         # The embedding's packed form when its dense copy was released (runner/quantization.py): look-ups
         # dequantize the rows they need.
         self.packed_embedding = None
-        # The native kernels' parts, None until use_kernels: the tied head's bf16 and packed matmuls, and
-        # kernels.DecodeStack over every layer (decode-only steps without adapters run all layers in one call).
+        # The native kernels' parts, None until use_kernels: the tied head's dense, bf16 and packed matmuls,
+        # and kernels.DecodeStack over every layer (decode-only steps without adapters run all layers in one
+        # call).
         self.tied_head_kernel = None
+        self.tied_head_dense_kernel = None
         self.tied_head_quantized_kernel = None
         self.tied_head_max_quantized_rows = 0
         self.decode_stack = None
@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
             self.packed_tied_head,
             self.tied_head_quantized_kernel,
             self.tied_head_max_quantized_rows,
+            self.tied_head_dense_kernel,
         )
         return (x @ weight.t() if logits is None else logits).float()
 
@@ -247,19 +248,30 @@ class LlamaForCausalLM(nn.Module):
         block_size: int,
         dtype: torch.dtype,
         int8_batch_activations: bool = False,
+        deterministic: bool = False,
+        invariant_dense: bool = True,
     ) -> None:
         """Run on the native CPU kernels once the weights are loaded (the runner calls it after
-        layers.use_native_kernels, with the same int8_batch_activations): the tied head's matmuls and a
-        DecodeStack over these caches."""
+        layers.use_native_kernels, with the same int8_batch_activations, deterministic and invariant_dense):
+        the tied head's matmuls and a DecodeStack over these caches."""
         if dtype == torch.bfloat16:
             self.tied_head_kernel = kernels.bf16_linear_small_batch
+        weight = self.embed_tokens.weight
+        dense = (
+            invariant_dense and self.packed_tied_head is None and takes_dense_kernel(weight, deterministic)
+        )
+        self.tied_head_dense_kernel = kernels.dense_linear if dense else None
+        # The layers' dense matrices are in the compute dtype: the stack takes one choice for all of them.
+        invariant_dense = invariant_dense and takes_dense_kernel(torch.empty(0, dtype=dtype), deterministic)
         if self.packed_tied_head is not None:
             self.tied_head_quantized_kernel = quantized_matmul(kernels, int8_batch_activations)
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.use_kernels(kernels, int8_batch_activations)
-        self.decode_stack = make_decode_stack(self, kernels, kv_caches, block_size, int8_batch_activations)
+        self.decode_stack = make_decode_stack(
+            self, kernels, kv_caches, block_size, int8_batch_activations, invariant_dense
+        )
 
     def use_tensor_parallel(self, all_reduce) -> None:
         """Run as one rank of a split model (runner/parallel/): this model holds the rank's heads and MLP

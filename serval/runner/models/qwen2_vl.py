@@ -143,9 +143,11 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         size = max(self.max_positions, arch.max_position_embeddings)
         return RotaryEmbedding(arch.head_dim, size, inv_freq)
 
-    def use_kernels(self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False) -> None:
+    def use_kernels(
+        self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False, **dense
+    ) -> None:
         """The decoder's kernels (llama.py), and the vision tower's rotation through the native RoPE kernel."""
-        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations)
+        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations, **dense)
         for module in self.visual.modules():
             if isinstance(module, VisionAttention):
                 module.native_rotary = kernels.rotary_embedding_
