@@ -182,8 +182,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: a smaller GGUF/HF model with the target's vocabulary
     # Speculation runs in a step only while at most this many sequences decode: past it the batch already
-    # keeps the machine busy and drafts cost more than they save (measured: docs/benchmarks.md).
-    max_num_seqs: int = 4
+    # keeps the machine busy and drafts cost more than they save (measured: docs/speculative.md).
+    max_num_seqs: int = 16
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
