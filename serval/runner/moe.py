@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serval.runner.layers import GatedMLP, Linear
+from serval.runner.layers import GatedMLP, Linear, takes_dense_kernel
 from serval.runner.models.arch import MoeArch
 from serval.runner.quantization import PackedWeight
 
@@ -133,13 +133,22 @@ class SparseMoe(nn.Module):
         self.native_parts: list[list[torch.Tensor]] | None = None
         self.native_biases: list[torch.Tensor] = []
         self.int8_batch_activations = False
+        self.expert_dense_kernel = None  # kernels.dense_linear for dense experts, set by use_kernels
         # kernels.router_logits and the router's fp32 weight (1 MB for 128 experts of 2048), set by use_kernels
         self.router_kernel = None
         self.router_weight: torch.Tensor | None = None
 
-    def use_kernels(self, kernels, int8_batch_activations: bool) -> None:
+    def use_kernels(self, kernels, int8_batch_activations: bool, deterministic: bool = False) -> None:
         parts = self.experts.packed_parts()
         self.native_kernel = None if parts is None else kernels.moe_experts
+        # Dense experts (a checkpoint's fp32/bf16/f16 stacks) run in experts_reference, each expert's rows
+        # through the batch-invariant dense matmul where layers.takes_dense_kernel says so: how many tokens
+        # chose an expert then never changes a token's bits.
+        dense = self.experts.gate_proj
+        uses_dense = (
+            parts is None and dense.packed is None and takes_dense_kernel(dense.weight, deterministic)
+        )
+        self.expert_dense_kernel = kernels.dense_linear if uses_dense else None
         self.native_parts = parts
         self.native_biases = self.experts.biases()
         self.int8_batch_activations = int8_batch_activations
@@ -217,15 +226,20 @@ class SparseMoe(nn.Module):
             start += count
             tokens = slots // self.top_k
             xe = x[tokens]
-            gate = xe @ stacks.expert_weight(stacks.gate_proj, expert, x.dtype).t()
-            up = xe @ stacks.expert_weight(stacks.up_proj, expert, x.dtype).t()
+            gate = self._expert_matmul(xe, stacks.expert_weight(stacks.gate_proj, expert, x.dtype))
+            up = self._expert_matmul(xe, stacks.expert_weight(stacks.up_proj, expert, x.dtype))
             gate = gate.float() + stacks.expert_bias(stacks.gate_proj, expert)
             up = up.float() + stacks.expert_bias(stacks.up_proj, expert)
             h = self.activate(gate, up).to(x.dtype)
-            y = h @ stacks.expert_weight(stacks.down_proj, expert, x.dtype).t()
+            y = self._expert_matmul(h, stacks.expert_weight(stacks.down_proj, expert, x.dtype))
             y = y.float() + stacks.expert_bias(stacks.down_proj, expert)
             out.index_add_(0, tokens, y * weights.flatten()[slots, None])
         return out
+
+    def _expert_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.expert_dense_kernel is not None:
+            return self.expert_dense_kernel(x, weight)
+        return x @ weight.t()
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":

@@ -2,8 +2,9 @@
 bf16 weights) are bitwise the same alone, beside 1..15 other prompts and with its prompt chunked small, on
 every kernel variant this CPU runs (kernels.dense_linear: docs/architecture.md, "Batch invariance").
 
-The fp32 checkpoint runs in fp32 (an untied head: a Linear) with the default flags, the bf16 one in bf16 (a
-tied head, biases on q/k/v) with `deterministic=True` (`--deterministic`): without it bf16 weights take
+The fp32 checkpoints (a dense MLP and, Qwen3-MoE, dense experts) run in fp32 (an untied head: a Linear)
+with the default flags, the bf16 one in bf16 (a tied head, biases on q/k/v) with `deterministic=True`
+(`--deterministic`): without it bf16 weights take
 oneDNN's GEMM, faster at 64 rows, whose order over K follows the row count. The best variant runs in the
 quick suite, the rest under `slow`.
 """
@@ -19,9 +20,11 @@ from tests.fixtures.kernels import VARIANT_NAMES, require_kernels
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
 PROBES = ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5 6 7 8 9 10 11 12 13 14"]
-CHECKPOINTS = {  # compute dtype -> (architecture, tied, checkpoint dtype)
+CHECKPOINTS = {  # setup name (its compute dtype, but for the "moe-" prefix) -> (architecture, tied, dtype)
     "float32": ("llama", False, torch.float32),
     "bfloat16": ("qwen2", True, torch.bfloat16),
+    # dense experts: how many tokens choose an expert changes with the batch, its rows' bits must not
+    "moe-float32": ("qwen3_moe", False, torch.float32),
 }
 
 
@@ -60,7 +63,8 @@ def setup(request, tiny_model_factory):
 
 def _llm(setup, **kwargs) -> LLM:
     # bf16 weights are batch-invariant with --deterministic (fp32 ones by default): the docstring says why
-    directory, dtype = setup
+    directory, name = setup
+    dtype = name.removeprefix("moe-")
     return LLM(model=directory, dtype=dtype, max_num_seqs=16, deterministic=dtype == "bfloat16", **kwargs)
 
 

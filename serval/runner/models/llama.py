@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_max_quantized_rows = packed_rows_limit(kernels)
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.use_kernels(kernels, int8_batch_activations)
+                layer.mlp.use_kernels(kernels, int8_batch_activations, deterministic)
         self.decode_stack = make_decode_stack(
             self, kernels, kv_caches, block_size, int8_batch_activations, invariant_dense
         )
