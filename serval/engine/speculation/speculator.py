@@ -64,22 +64,23 @@ class Speculator:
         """Give each decoding request that may speculate this step its drafts; clear everyone else's. Nobody
         speculates in a step with more than config.max_num_seqs running: the batch keeps the machine busy."""
         speculate = len(running) <= self.config.max_num_seqs
-        candidates = []
+        candidates: list[tuple[Request, int]] = []
         for request in running:
             request.clear_drafts()
             if speculate and _may_speculate(request):
-                candidates.append(request)
+                max_drafts = min(
+                    self.config.num_speculative_tokens,
+                    # What the request may still emit, less the token every step makes anyway.
+                    self.max_model_len - request.num_tokens - 1,
+                    _remaining_outputs(request) - 1,
+                )
+                if max_drafts > 0:
+                    candidates.append((request, max_drafts))
         if not candidates:
             return
-        self.proposer.prepare(candidates)
-        for request in candidates:
-            max_drafts = min(
-                self.config.num_speculative_tokens,
-                # What the request may still emit, less the token every step makes anyway.
-                self.max_model_len - request.num_tokens - 1,
-                _remaining_outputs(request) - 1,
-            )
-            drafts = self.proposer.propose(request, max_drafts) if max_drafts > 0 else []
+        self.proposer.prepare([request for request, _ in candidates])
+        for request, max_drafts in candidates:
+            drafts = self.proposer.propose(request, max_drafts)
             if drafts and request.constraint is not None:
                 drafts, bitmasks = _grammar_checked(request, drafts)
                 request.draft_bitmasks = bitmasks
