@@ -9,7 +9,7 @@ import torch
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig
 from serval.engine.engine import Engine
-from serval.runner.batch import Batch
+from serval.runner.batch import Batch, SamplingRow
 from serval.runner.runner import ModelRunner
 from tests.fixtures.kernels import require_kernels
 
@@ -138,8 +138,11 @@ def test_logit_row_counts_past_the_new_tokens_are_refused(counts):
         batch.logit_rows()
 
 
-def test_execute_refuses_to_sample_several_rows_of_a_sequence(tiny_model_factory, monkeypatch):
+def test_execute_samples_every_logit_row_each_with_its_own_sampling_row(tiny_model_factory, monkeypatch):
     runner = _runner("sdpa", tiny_model_factory, monkeypatch)
     step = Batch([3, 4, 5], [3], [0], [[0]], [0], [], num_logit_rows=[2])
-    with pytest.raises(ValueError, match="score"):
+    with pytest.raises(ValueError, match="one sampling row per logit row"):
         runner.execute(step)
+    (logits,) = runner.score(step)
+    step.sampling = [SamplingRow(), SamplingRow()]  # greedy: each row's argmax
+    assert runner.execute(step).token_ids == logits.argmax(-1).tolist()
