@@ -366,7 +366,7 @@ class ModelRunner:
         if not batch.sample_indices:
             self.compute_logits(batch)
             return SamplerOutput(token_ids=[], logprobs=None, top_logprobs=None)
-        if len(batch.sampling) != sum(batch.logit_row_counts()):
+        if batch.num_logit_rows and len(batch.sampling) != sum(batch.num_logit_rows):
             raise ValueError("a batch needs one sampling row per logit row")
         logits = self.compute_logits(batch)
         return self.sampler(logits, batch.sampling)

@@ -136,20 +136,20 @@ def _apply_allowed_masks(
     constrained = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
     if not constrained:
         return logits
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
     device = logits.device
     words = torch.stack([rows[i].allowed_token_bitmask for i in constrained]).to(device)  # (k, num_words)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (k, num_words * 32)
     if bits.shape[1] < vocab_size:  # ids past the tokenizer's vocabulary are never allowed
         bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
-    allowed = torch.ones(num_rows, vocab_size, dtype=torch.bool, device=device)
+    bits = bits[:, :vocab_size]
     index = torch.tensor(constrained, device=device)
-    allowed[index] = bits[:, :vocab_size]
-    masked = logits.masked_fill(~allowed, float("-inf"))
-    dead = torch.isinf(masked).all(dim=-1) & allowed.any(dim=-1)
-    # A select, not `if dead.any()`: no wait for the device on a GPU.
-    return torch.where(dead.unsqueeze(1), unbanned.masked_fill(~allowed, float("-inf")), masked)
+    # Only the constrained rows are touched; a select, not `if dead.any()`: no wait for the device on a GPU.
+    chosen = logits[index].masked_fill(~bits, float("-inf"))
+    dead = torch.isinf(chosen).all(dim=-1) & bits.any(dim=-1)
+    fallback = unbanned[index].masked_fill(~bits, float("-inf"))
+    return logits.index_copy(0, index, torch.where(dead.unsqueeze(1), fallback, chosen))
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:

@@ -66,7 +66,8 @@ class Speculator:
         speculate = len(running) <= self.config.max_num_seqs
         candidates: list[tuple[Request, int]] = []
         for request in running:
-            request.clear_drafts()
+            if request.draft_token_ids:  # left by a step that did not schedule it
+                request.clear_drafts()
             if speculate and _may_speculate(request):
                 max_drafts = min(
                     self.config.num_speculative_tokens,
