@@ -2,11 +2,18 @@
 
 N requests of 128-token prompts are prefilled; then the step runs layer by layer (the fused DecodeStack off,
 so that each part can be timed: forward hooks around every module) for `--steps` steps. Printed, one JSON
-line per part: milliseconds a step (median over steps), its share of the step, and where it applies GFLOP/s
-(2 M N K a matmul) and the packed weights' bytes read per second. The fused step's own median comes first,
-for scale: the layer-by-layer total is the same work with more dispatch.
+line per part: milliseconds a step (median over steps), its share of the step, and its rate against the
+roofline that bounds it: GFLOP/s for the matmuls (2 M N K; the LM head's M is the rows that sample) with the
+packed weights' bytes read per second, and for a decode step's attention the K/V bytes it reads per second
+(every sequence's context, every layer). The fused step's own median comes first, for scale: the
+layer-by-layer total is the same work with more dispatch.
+
+--prefill-tokens N makes every timed step a mixed one: beside the N decode rows, a new prompt of N tokens
+less the batch is prefilled whole (one output token), so that the step carries N tokens in all (512: the
+scheduler's default budget, a served step while requests arrive).
 
     .venv/bin/python bench/step_profile.py --batch-size 64
+    .venv/bin/python bench/step_profile.py --batch-size 64 --prefill-tokens 512
     .venv/bin/python bench/step_profile.py --model FILE.gguf --batch-size 16
 """
 
@@ -36,13 +43,32 @@ def prefilled_engine(model: str | None, batch_size: int, steps: int):
     return engine
 
 
-def median_step_ms(engine, steps: int) -> float:
+def median_step_ms(engine, steps: int, prefill_tokens: int = 0) -> float:
+    """The median step; with prefill_tokens, each step also prefills a new prompt up to that many tokens."""
+    rng = random.Random(1)
+    vocab_size = engine.runner.info.vocab_size
+    prompt_len = prefill_tokens - sum(1 for r in engine.requests.values())
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     times = []
-    for _ in range(steps):
+    for step in range(steps):
+        if prefill_tokens:
+            engine.add_request(
+                f"p{time.perf_counter_ns()}", [rng.randrange(100, vocab_size) for _ in range(prompt_len)], params
+            )
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
+
+
+def kv_bytes_read(engine) -> int:
+    """The K/V bytes a decode step's attention reads: each running sequence's context, every layer."""
+    runner = engine.runner
+    arch = runner.full_arch
+    token_bytes = (
+        runner.model.kv_cache_spec(arch).values_per_token() * runner.dtype.itemsize * arch.num_layers
+    )
+    return sum(r.num_computed_tokens + 1 for r in engine.requests.values()) * token_bytes
 
 
 def part_of(name: str, module) -> str | None:
@@ -94,10 +120,16 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=0,
+        help="tokens a step carries, decode rows and a new prompt's prefill together (0: decode steps)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.prefill_tokens and args.prefill_tokens <= args.batch_size:
+        parser.error("--prefill-tokens must exceed --batch-size (the decode rows)")
     engine = prefilled_engine(args.model, args.batch_size, args.steps)
     model = engine.runner.model
-    fused_ms = median_step_ms(engine, args.steps)
+    fused_ms = median_step_ms(engine, args.steps, args.prefill_tokens)
     model.decode_stack = None
     spans: dict[str, float] = collections.defaultdict(float)
     flops: dict[str, float] = collections.defaultdict(float)
@@ -114,16 +146,22 @@ def main() -> None:
     model.register_forward_hook(forward_done)
     attach_timers(model, spans, flops, weight_bytes)
     model.norm.register_forward_hook(lambda m, a, o: final_norm_done.append(time.perf_counter()))
-    median_step_ms(engine, 2)  # warm-up of the layer path
+    median_step_ms(engine, 2, args.prefill_tokens)  # warm-up of the layer path
     spans.clear(), flops.clear(), weight_bytes.clear(), forward.clear(), final_norm_done.clear()
-    layered_ms = median_step_ms(engine, args.steps)
+    kv_bytes = kv_bytes_read(engine)
+    layered_ms = median_step_ms(engine, args.steps, args.prefill_tokens)
+    kv_bytes = (kv_bytes + kv_bytes_read(engine)) / 2  # a step's, on average (contexts grow a token a step)
     steps = args.steps
     info = engine.runner.info
     print(json.dumps({
-        "bench": "step_profile", "batch_size": args.batch_size, "kernels": info.kernel_variant,
-        "dtype": info.dtype, "batch_activations": info.batch_activations,
+        "bench": "step_profile", "batch_size": args.batch_size, "prefill_tokens": args.prefill_tokens,
+        "kernels": info.kernel_variant, "dtype": info.dtype, "batch_activations": info.batch_activations,
+        # A mixed step never takes the fused decode path: both figures are then the layer path's.
         "fused_step_ms": round(fused_ms, 2), "layered_step_ms": round(layered_ms, 2),
     }))  # fmt: skip
+    hidden_size = model.norm.weight.shape[0]
+    sampling_rows = args.batch_size + (1 if args.prefill_tokens else 0)
+    flops["lm head (after the final norm)"] = 2.0 * sampling_rows * info.vocab_size * hidden_size * steps
     timed = sum(spans.values()) * 1e3 / steps
     forward_ms = sum(forward) * 1e3 / steps
     parts = dict(spans)
@@ -136,7 +174,10 @@ def main() -> None:
         line = {"part": part, "ms": round(ms, 3), "share": round(ms / layered_ms, 3)}
         if flops.get(part):
             line["gflop_s"] = round(flops[part] / seconds / 1e9, 1)
+        if weight_bytes.get(part):
             line["weight_gb_s"] = round(weight_bytes[part] / seconds / 1e9, 1)
+        if part.startswith("attention") and not args.prefill_tokens:
+            line["kv_gb_s"] = round(kv_bytes * steps / seconds / 1e9, 1)
         print(json.dumps(line))
 
 
