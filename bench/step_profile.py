@@ -53,7 +53,9 @@ def median_step_ms(engine, steps: int, prefill_tokens: int = 0) -> float:
     for step in range(steps):
         if prefill_tokens:
             engine.add_request(
-                f"p{time.perf_counter_ns()}", [rng.randrange(100, vocab_size) for _ in range(prompt_len)], params
+                f"p{time.perf_counter_ns()}",
+                [rng.randrange(100, vocab_size) for _ in range(prompt_len)],
+                params,
             )
         started = time.perf_counter()
         engine.step()
