@@ -236,3 +236,46 @@ def test_a_query_is_answered_alike_decoded_or_in_any_prefill_chunk(kernels, head
         for i in range(length)
     ])  # fmt: skip
     assert torch.equal(decoded, whole)
+
+
+@pytest.mark.parametrize("attention", list(GPT_OSS))
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48 takes the plain path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_decode_batch_answers_each_sequence_as_alone(kernels, head_dim, dtype, attention):
+    """Batch invariance across the decode kernel's task layouts: with many sequences a task takes all of a
+    sequence's kv heads (one stream of contiguous rows), with few one kv head; every sequence's output is
+    bitwise what it gets decoded alone, and matches dense attention."""
+    torch.manual_seed(head_dim + 1)
+    num_heads, num_kv_heads, block_size = 6, 2, 16
+    num_seqs = 8 * torch.get_num_threads() + 3  # past the kernel's threshold for whole-sequence tasks
+    lengths = torch.randint(1, 60, (num_seqs,))
+    k_cache = torch.randn(num_seqs * 4, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_seqs * 4).view(num_seqs, 4)
+    q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
+    window, with_sinks = GPT_OSS[attention]
+    sinks = torch.randn(num_heads) if with_sinks else torch.empty(0)
+    scale = head_dim**-0.5
+    batched = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, scale, window, sinks)
+    for i in range(num_seqs):
+        alone = kernels.paged_decode_attention(
+            q[i : i + 1].contiguous(),
+            k_cache,
+            v_cache,
+            tables[i : i + 1],
+            lengths[i : i + 1],
+            scale,
+            window,
+            sinks,
+        )
+        assert torch.equal(batched[i : i + 1], alone)
+        slots = tables[i].repeat_interleave(block_size) * block_size + torch.arange(4 * block_size).remainder(
+            block_size
+        )
+        context = slots[: int(lengths[i])]
+        k_ctx = k_cache.view(-1, num_kv_heads, head_dim)[context]
+        v_ctx = v_cache.view(-1, num_kv_heads, head_dim)[context]
+        reference = _dense_reference(q[i : i + 1], k_ctx, v_ctx, int(lengths[i]) - 1, window,
+                                     sinks if with_sinks else None, scale)  # fmt: skip
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        assert (batched[i : i + 1].float() - reference).abs().max().item() < tolerance
