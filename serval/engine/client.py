@@ -223,17 +223,6 @@ class EngineClient:
 
     def _run(self) -> None:
         engine = self._engine
-        # A step's events are held until the next step's forward pass is about to start, then delivered: the
-        # event loop's work on them (detokenizing, SSE chunks) takes the GIL, and run between two steps it
-        # held up the engine's own work before the next forward (scheduling, the batch) by as long; run while
-        # the forward computes, GIL released, it overlaps. Whenever no forward follows they go at once.
-        held: list[Event] = []
-
-        def release() -> None:
-            self._publish()
-            self._deliver(held)
-            held.clear()
-
         while True:
             # Block for work when idle; otherwise just take what arrived during the last step.
             events: list[Event] = []
@@ -241,20 +230,19 @@ class EngineClient:
                 events, block=not engine.has_unfinished_requests()
             )
             if num_handled:
-                held += events  # after the last step's own, so each request's events stay in order
-                release()
+                self._publish()
+                self._deliver(events)
             if not is_running:
                 return
             if not engine.has_unfinished_requests():
                 continue
             try:
-                events = list(engine.step(before_forward=release))
+                events = list(engine.step())
             except Exception:  # a failed step must not kill the server
                 logger.exception("engine step failed; aborting the requests in flight")
                 events = self._fail_all("internal error while generating")
-            held += events
-            if not engine.has_unfinished_requests() or not events:
-                release()  # no forward is sure to follow soon (a step may schedule nothing): deliver now
+            self._publish()
+            self._deliver(events)
 
     def _handle_commands(self, events: list[Event], block: bool) -> tuple[int, bool]:
         """Handle every command queued (waiting a while for one if `block`): how many, and False once Stop

@@ -184,9 +184,7 @@ class Engine:
 
     # ---- the step
 
-    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """before_forward: called once the batch is built, just before the model runs (not in a step that
-        schedules nothing); the client delivers the previous step's outputs there."""
+    def step(self) -> list[RequestOutput]:
         # Expired pins first, so this step's allocations may already evict their blocks.
         self.block_manager.release_expired_pins()
         if self.speculator is not None:
@@ -197,8 +195,6 @@ class Engine:
         self.num_steps += 1
         self.num_preemptions += len(scheduled.preempted)
         batch, samplers = self._build_batch(scheduled)
-        if before_forward is not None:
-            before_forward()
         started = time.monotonic()
         sampled = self.runner.execute(batch)
         elapsed = time.monotonic() - started

@@ -53,10 +53,10 @@ def test_the_snapshot_after_the_last_output_shows_the_blocks_back(client):
     engine = client._engine
     real_step = engine.step
 
-    def step(before_forward=None):
+    def step():
         if not steps.acquire(timeout=0.01):
             return []  # back to the client's loop, which handles commands between steps
-        outputs = real_step(before_forward)
+        outputs = real_step()
         if not outputs:
             steps.release()  # a step that delivered nothing (a prefill chunk) does not count
         return outputs

@@ -134,10 +134,10 @@ def test_engine_client_loads_and_unloads_on_the_engine_thread(tiny_model_factory
     resumed.set()
     real_step = engine.step
 
-    def step(before_forward=None):
+    def step():
         if not resumed.wait(0.01):
             return []  # back to the client's loop, which handles commands between steps
-        outputs = real_step(before_forward)
+        outputs = real_step()
         if any(o.request_id == "r" and o.num_output_tokens == 1 for o in outputs):
             resumed.clear()
         return outputs
