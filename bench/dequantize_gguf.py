@@ -65,7 +65,9 @@ def main() -> None:
     for tensor in reader.tensors:
         values, written_type = converted(tensor, weight_type)
         # Quantized data is bytes (rows, row bytes): the writer needs the element type and the byte shape.
-        raw_dtype = None if written_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else written_type
+        raw_dtype = (
+            None if written_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else written_type
+        )
         writer.add_tensor(tensor.name, values, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
