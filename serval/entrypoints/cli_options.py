@@ -260,9 +260,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=speculative_config,
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts copied from the prompt and output) or '
-        '\'{"method": "draft_model", "model": PATH}\' (a smaller model with the same vocabulary); greedy '
-        "answers are unchanged, sampled ones keep their distribution (default: off; docs/speculative.md)",
+        '"prompt_lookup_max": 8, "prompt_lookup_min": 2}\' (drafts copied from the prompt and output) or '
+        '\'{"method": "draft_model", "model": PATH}\' (a smaller model with the same vocabulary); each '
+        'sequence\'s draft length adapts up to num_speculative_tokens ("adaptive_draft_length": false: fixed); '
+        "greedy answers are unchanged, sampled ones keep their distribution (default: off; docs/speculative.md)",
     )
 
 

@@ -222,12 +222,13 @@ def test_media_settings_from_flags_file_and_environment(tmp_path, monkeypatch):
 
 
 def test_speculative_config_from_the_flag_and_the_file(tmp_path):
-    flag = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5}'
+    flag = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5, "adaptive_draft_length": false}'
     options = merged_options(build_parser().parse_args(["serve", "--speculative-config", flag]))
     spec = engine_config(options).speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
         "ngram", 6, 5, 2,
     )  # fmt: skip
+    assert not spec.adaptive_draft_length and spec.describe().startswith("ngram (6 drafts, n-grams of 2-5")
     assert engine_config(merged_options(build_parser().parse_args(["serve"]))).speculative.method is None
     data = {**MINDIE, "SpeculativeConfig": {"method": "draft_model", "model": "draft.gguf"}}
     spec = engine_config(
@@ -243,6 +244,7 @@ def test_speculative_config_from_the_flag_and_the_file(tmp_path):
         ('{"method": "ngram", "num_speculative_tokens": 0}', "between 1 and 15"),
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "1 <= min <= max"),
         ('{"method": "draft_model"}', "a draft model is given exactly when"),
+        ('{"method": "ngram", "adaptive_draft_length": "yes"}', "must be true or false"),
         ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "unknown speculative config key"),
         ("[1]", "must be a JSON object"),
         ("{not json", "Expecting property name"),

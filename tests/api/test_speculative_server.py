@@ -123,4 +123,4 @@ def test_metrics_and_version_say_what_runs(server):
         assert f"vllm:spec_decode_{name}_total{{" in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="3"}' in text
     version = httpx.get(f"{server}/version", timeout=10).json()
-    assert version["speculative_decoding"].startswith("ngram (4 drafts, n-grams of 1-4")
+    assert version["speculative_decoding"].startswith("ngram (up to 4 drafts, n-grams of 1-8")

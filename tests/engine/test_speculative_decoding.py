@@ -38,6 +38,19 @@ def ngram():
 
 
 @pytest.fixture(scope="module")
+def ngram_wide():
+    # Adaptive draft lengths up to 15 (the default is adaptive): copying grows them past 4.
+    return LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_min": 1,
+                                   "max_num_seqs": 8})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ngram_fixed():
+    return LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1,
+                                   "max_num_seqs": 8, "adaptive_draft_length": False})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def drafted():
     # The served model's own file drafting for it: the machinery under test is the catching up, the block
     # handling and the settling, whatever the draft's quality.
@@ -49,7 +62,7 @@ def drafted():
 @pytest.fixture(autouse=True)
 def all_blocks_free_after(request):
     yield
-    for name in ("plain", "ngram", "drafted"):
+    for name in ("plain", "ngram", "ngram_wide", "ngram_fixed", "drafted"):
         if name in request.fixturenames:
             engine = request.getfixturevalue(name).engine
             assert not engine.has_unfinished_requests()
@@ -68,7 +81,7 @@ def _counters(llm):
     return llm.engine.speculator.counters
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "drafted"])
+@pytest.mark.parametrize("speculative", ["ngram", "ngram_wide", "ngram_fixed", "drafted"])
 def test_greedy_answers_and_logprobs_are_plain_decodings_alone_and_batched(plain, speculative, request):
     llm = request.getfixturevalue(speculative)
     expected = _tokens_and_logprobs(_answers(plain, SPEC_PROMPTS))
@@ -78,6 +91,15 @@ def test_greedy_answers_and_logprobs_are_plain_decodings_alone_and_batched(plain
     assert batched == expected
     assert alone == expected[:3]
     assert _counters(llm).num_accepted_tokens - before > 40  # it did speculate, and drafts were kept
+
+
+def test_adaptive_lengths_grow_past_four_while_copying_and_keep_plain_decodings_answer(plain, ngram_wide):
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+    expected = _tokens_and_logprobs(_answers(plain, [COPY], params))
+    before = list(_counters(ngram_wide).accepted_per_position)
+    assert _tokens_and_logprobs(_answers(ngram_wide, [COPY], params)) == expected
+    kept_per_position = [a - b for a, b in zip(_counters(ngram_wide).accepted_per_position, before)]
+    assert sum(kept_per_position[4:]) > 0  # drafts past the fourth were asked for, and kept
 
 
 def test_copying_takes_fewer_steps_than_tokens(plain, ngram):

@@ -55,17 +55,21 @@ class DraftModelProposer:
         ] = {}  # this step's, by request id (prepare fills, propose hands out)
         self.num_speculative_tokens = spec.num_speculative_tokens
 
-    def prepare(self, requests: list[Request]) -> None:
-        """Draft for every request of the step at once: catch each up with its context, then decode."""
+    def prepare(self, candidates: list[tuple[Request, int]]) -> None:
+        """Draft for every request of the step at once: catch each up with its context, then decode, each
+        request up to its own number of drafts (a draft forward a position: none past what is asked for)."""
         self.drafts = {}
-        active = [r for r in requests if self._catch_up_room(r)]
+        wanted = {r.request_id: max_drafts for r, max_drafts in candidates}
+        active = [r for r, _ in candidates if self._catch_up_room(r)]
         if not active:
             return
         inputs = [r.token_ids[len(self.sequences[r.request_id].token_ids) :] for r in active]
-        for position in range(self.num_speculative_tokens):
+        for position in range(max(wanted.values())):
             if position > 0:  # each sequence's newest draft is the next input: a block for it, or it stops
                 room = [
-                    (r, i) for r, i in zip(active, inputs) if self._reserve(self.sequences[r.request_id], 1)
+                    (r, i)
+                    for r, i in zip(active, inputs)
+                    if position < wanted[r.request_id] and self._reserve(self.sequences[r.request_id], 1)
                 ]
                 if not room:
                     break

@@ -18,7 +18,7 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def prepare(self, requests: list[Request]) -> None:
+    def prepare(self, candidates: list[tuple[Request, int]]) -> None:
         pass  # nothing is run ahead: each lookup is its own
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
