@@ -242,12 +242,11 @@ def test_a_query_is_answered_alike_decoded_or_in_any_prefill_chunk(kernels, head
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48 takes the plain path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_large_decode_batch_answers_each_sequence_as_alone(kernels, head_dim, dtype, attention):
-    """Batch invariance across the decode kernel's task layouts: with many sequences a task takes all of a
-    sequence's kv heads (one stream of contiguous rows), with few one kv head; every sequence's output is
-    bitwise what it gets decoded alone, and matches dense attention."""
+    """Batch invariance in a decode step of many sequences (the kernel's tasks shared out over the threads):
+    every sequence's output is bitwise what it gets decoded alone, and matches dense attention."""
     torch.manual_seed(head_dim + 1)
     num_heads, num_kv_heads, block_size = 6, 2, 16
-    num_seqs = 8 * torch.get_num_threads() + 3  # past the kernel's threshold for whole-sequence tasks
+    num_seqs = 8 * torch.get_num_threads() + 3  # several tasks a thread
     lengths = torch.randint(1, 60, (num_seqs,))
     k_cache = torch.randn(num_seqs * 4, block_size, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn_like(k_cache)

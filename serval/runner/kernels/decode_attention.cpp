@@ -54,11 +54,12 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
 // 64-sequence step reads ~300 MB), and its rows are scattered over blocks, so the hardware prefetchers stall
 // at every block boundary. 64 sequences of 200 tokens, 30 layers, 2 threads (AVX-512): 20.9 -> 16.1 ms (the
 // same data hot in the L3: 7.2 ms).
-template <typename T>
-inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end, int64_t row_bytes) {
+template <typename T, int D>
+inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
+  constexpr int64_t kRowBytes = D * sizeof(T);
   for (int64_t t = begin; t < end; ++t) {
     const char* p = reinterpret_cast<const char*>(cache + rows[t]);
-    for (int64_t b = 0; b < row_bytes; b += 64) simd::prefetch(p + b);
+    for (int64_t b = 0; b < kRowBytes; b += 64) simd::prefetch(p + b);
   }
 }
 
@@ -100,43 +101,39 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
   }
 }
 
-// The query heads of `kv_heads` consecutive kv heads (GQA: `group` query heads share each; MLA's absorbed heads
-// all share its one latent "head"), over one context. A token's rows for those kv heads are contiguous in the
-// cache: each tile's K rows are widened to fp32 once into `keys` (W tokens of kv_heads x D, in L1) for all their
-// query heads, and each V row once per sweep of up to kValueAccumulators / CB heads, instead of once per head.
-// 64 sequences, 9 heads over 3 kv heads (the default model), 30 layers, 2 threads, AVX-512 (AMD family 26):
-// with the K/V in the L3, 6.5-6.7 -> 5.8-6.1 ms at 192 tokens and 20.9-21.5 -> 16.9-20.5 ms at 512. Each
-// head's arithmetic is what one head alone did, in the same order: the same bits as before, and as a prefill
-// chunk gives (batch invariance).
+// The G query heads that share one kv head (GQA; MLA's absorbed heads all share its one latent "head"), over one
+// context. Each K row is widened to fp32 once per tile into `keys` (W rows of D, in L1) and each V row once per
+// sweep of up to kValueAccumulators / CB heads, instead of once per head. 64 sequences, 9 heads over 3 kv heads
+// (the default model), 30 layers, 2 threads, AVX-512 (AMD family 26): with the K/V in the L3, 6.5-6.7 -> 5.8-6.1
+// ms at 192 tokens and 20.9-21.5 -> 16.9-20.5 ms at 512; from memory no change (12.3-13.7 ms at 192: the
+// reads, ~22 GB/s, bound it). Each head's arithmetic is what one head alone did, in the same order: the same
+// bits as before, and as a prefill chunk gives (batch invariance).
 template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim, of kValueChunk vectors
-void attend_group(const float* q, int64_t kv_heads, int64_t group, const T* k_cache, const T* v_cache,
-                  const Context& c, const float* sinks, float* scores, int64_t stride, float* keys, float* out) {
+void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_cache, const Context& c,
+                  const float* sinks, float* scores, int64_t stride, float* keys, float* out) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W;
-  const int64_t row = kv_heads * D, heads = kv_heads * group;  // a token's K values here; query heads
-  const int64_t k_bytes = row * sizeof(T), v_bytes = ((kv_heads - 1) * D + DV) * sizeof(T);
   // Pass 1: scores[h][t] = q_h . k_t * scale, W tokens a tile, their horizontal sums done together.
   const Vec scale = simd::set1(c.scale);
   constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
-  prefetch_rows(k_cache, c.rows, 0, std::min(c.len, kAhead), k_bytes);
+  prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead));
   for (int64_t t0 = 0; t0 < c.len; t0 += W) {
     const int64_t tile = std::min<int64_t>(W, c.len - t0);
     // The K rows a tile on, and this tile's V rows for pass 2.
-    prefetch_rows(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W), k_bytes);
-    prefetch_rows(v_cache, c.rows, t0, t0 + tile, v_bytes);
-    for (int64_t i = 0; i < tile; ++i) load_row(k_cache + c.rows[t0 + i], keys + i * row, row);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* k = keys + h / group * D;  // this head's kv head's part of each widened row
+    prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
+    prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
+    for (int64_t i = 0; i < tile; ++i) load_row(k_cache + c.rows[t0 + i], keys + i * D, D);
+    for (int64_t h = 0; h < group; ++h) {
       Vec qv[C];
       for (int i = 0; i < C; ++i) qv[i] = simd::load(q + h * D + W * i);
       // scores has room for whole tiles: the lanes past the context are written but never read.
-      simd::store(scores + h * stride + t0, tile_scores<C>(qv, tile, [&](int64_t i) { return k + i * row; }, scale));
+      simd::store(scores + h * stride + t0, tile_scores<C>(qv, tile, [&](int64_t i) { return keys + i * D; }, scale));
     }
   }
   // Softmax numerators (zero outside the visible keys); the division by their sum is folded into the output.
   const Vec minus_infinity = simd::set1(-INFINITY);
-  std::vector<float> inv(heads);
-  for (int64_t h = 0; h < heads; ++h) {
+  std::vector<float> inv(group);
+  for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * stride;
     Vec vmax = minus_infinity;
     for (int64_t t = 0; t < c.len; t += W) vmax = simd::max(vmax, visible(c, t, simd::load(s + t), minus_infinity));
@@ -150,23 +147,21 @@ void attend_group(const float* q, int64_t kv_heads, int64_t group, const T* k_ca
     }
     inv[h] = 1.0f / (simd::reduce_add(vsum) + std::exp(sinks[h] - m_scalar));
   }
-  // Pass 2: out_h = sum_t p_h,t v_t / sum_t p_h,t, up to NH heads of one kv head a sweep over its V rows.
+  // Pass 2: out_h = sum_t p_h,t v_t / sum_t p_h,t, up to NH heads a sweep over the V rows.
   constexpr int CV = DV / W, CB = value_chunk(CV), NH = std::max(1, kValueAccumulators / CB);
   static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
-  for (int64_t kv = 0; kv < kv_heads; ++kv) {
-    for (int64_t g0 = 0; g0 < group; g0 += NH) {
-      const int64_t h0 = kv * group + g0, sweep = std::min<int64_t>(NH, group - g0);
-      const float* weights[NH];
-      float* outs[NH];
-      for (int64_t h = 0; h < sweep; ++h) {
-        weights[h] = scores + (h0 + h) * stride;
-        outs[h] = out + (h0 + h) * DV;
-      }
-      for (int c0 = 0; c0 < CV; c0 += CB) {
-        with_row_count<NH>(sweep, [&](auto n) {
-          weigh_values<T, CB, decltype(n)::value>(v_cache + kv * D, c, weights, inv.data() + h0, c0, outs);
-        });
-      }
+  for (int64_t h0 = 0; h0 < group; h0 += NH) {
+    const float* weights[NH];
+    float* outs[NH];
+    const int64_t heads = std::min<int64_t>(NH, group - h0);
+    for (int64_t h = 0; h < heads; ++h) {
+      weights[h] = scores + (h0 + h) * stride;
+      outs[h] = out + (h0 + h) * DV;
+    }
+    for (int c0 = 0; c0 < CV; c0 += CB) {
+      with_row_count<NH>(heads, [&](auto n) {
+        weigh_values<T, CB, decltype(n)::value>(v_cache, c, weights, inv.data() + h0, c0, outs);
+      });
     }
   }
 }
@@ -195,17 +190,13 @@ void decode_attention_impl(
   const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
   const int64_t block_stride = block_size * slot_stride;
 
-  // A task: one sequence's kv heads, all of them (a token's rows contiguous, read as one stream) where there are
-  // enough sequences to share out, else one each (a batch-1 decode's attention still on every thread).
-  const int64_t kv_heads = num_seqs >= 8 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / kv_heads, heads = kv_heads * group;
-  parallel_chunks(num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    // Per task: its queries and outputs in fp32, its scores (whole tiles a head), a tile of widened keys.
-    std::vector<float> qf(heads * head_dim), acc(heads * value_dim), keys(simd::kWidth * kv_heads * head_dim);
-    std::vector<float> row(head_dim), scores, task_sinks(heads);
+  parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per task: the group's queries and outputs in fp32, its scores (whole tiles a head), a tile of widened keys.
+    std::vector<float> qf(group * head_dim), acc(group * value_dim), keys(simd::kWidth * head_dim), row(head_dim);
+    std::vector<float> scores, group_sinks(group);
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, first_kv_head = task % tasks_per_seq * kv_heads;
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t context_len = lens[seq];
       const int64_t visible_from = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
       // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
@@ -213,38 +204,36 @@ void decode_attention_impl(
       const int64_t first = visible_from / simd::kWidth * simd::kWidth;
       const int64_t len = context_len - first;
       const int64_t stride = len + simd::kWidth;  // whole tiles
-      scores.resize(heads * stride);
+      scores.resize(group * stride);
       // Each visible token's row offset, found once per task (a division per token costs more than its math).
       rows.resize(len);
       for (int64_t b = first / block_size, t0 = b * block_size; t0 < context_len; ++b, t0 += block_size) {
-        const int64_t offset = tables[seq * max_blocks + b] * block_stride + first_kv_head * head_dim;
+        const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
         for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < context_len; ++i)
           rows[t0 + i - first] = offset + i * slot_stride;
       }
-      const int64_t first_head = first_kv_head * group;  // the task's first query head within its sequence
-      const int64_t head_offset = seq * num_heads + first_head;  // over all sequences
-      for (int64_t h = 0; h < heads; ++h) {
-        load_row(q_ptr + (head_offset + h) * head_dim, qf.data() + h * head_dim, head_dim);
-        task_sinks[h] = sinks != nullptr ? sinks[first_head + h] : -INFINITY;
+      const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
+        group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
       }
       const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale)};
       const bool same = head_dim == value_dim;
       const auto attend = [&](auto kernel) {
-        kernel(qf.data(), kv_heads, group, k_ptr, v_ptr, context, task_sinks.data(), scores.data(), stride,
-               keys.data(), acc.data());
+        kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(), acc.data());
       };
       if (same && head_dim == 32) attend(attend_group<T, 32>);
       else if (same && head_dim == 64) attend(attend_group<T, 64>);
       else if (same && head_dim == 128) attend(attend_group<T, 128>);
       else if (head_dim == 576 && value_dim == 512) attend(attend_group<T, 576, 512>);
       else {
-        for (int64_t h = 0; h < heads; ++h)
-          attend_head_plain<T>(qf.data() + h * head_dim, k_ptr + h / group * head_dim, v_ptr + h / group * head_dim,
-                               {rows.data() + context.skip, len - context.skip, 0, context.scale}, task_sinks[h],
-                               head_dim, value_dim, scores.data(), row.data(), acc.data() + h * value_dim);
+        for (int64_t g = 0; g < group; ++g)
+          attend_head_plain<T>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
+                               context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
+                               acc.data() + g * value_dim);
       }
-      T* o = out_ptr + head_offset * value_dim;
-      for (int64_t d = 0; d < heads * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
+      T* o = out_ptr + first_head * value_dim;
+      for (int64_t d = 0; d < group * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
     }
   }, Schedule::kDynamic);
 }
