@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=100, help="words of prompt (bench/serve.py)")
     parser.add_argument("--num-requests", type=int, default=0, help="per level (default: bench/serve.py's)")
+    parser.add_argument(
+        "--log-dir", default="/tmp", help="where bench-LABEL.log goes (one of its own beside other sittings)"
+    )
     args = parser.parse_args()
     results: dict[str, list[dict]] = {"serval": [], args.peer_label: []}
     servers = [("serval", args.serval_command), (args.peer_label, args.peer_command)]
@@ -114,7 +117,7 @@ def main() -> None:
         order = servers if round_index % 2 == 0 else servers[::-1]
         for label, command in order:
             port = free_port()
-            process, ready_s = start(command, port, f"/tmp/bench-{label}.log")
+            process, ready_s = start(command, port, os.path.join(args.log_dir, f"bench-{label}.log"))
             try:
                 results[label] += run_levels(label, port, args)
                 print(json.dumps({

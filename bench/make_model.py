@@ -78,6 +78,9 @@ WEIGHT_TYPES = {
     "Q4_K_M": WeightType(Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+# llama-quantize's type for a matrix whose rows a k-quant's 256-value super-block does not divide
+# (src/llama-quant.cpp, "using fallback quantization"): DeepSeek-V2-Lite's 10944- and 1408-wide ffn_down rows.
+K_QUANT_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -96,6 +99,8 @@ class TensorPlan:
     @property
     def row_bytes(self) -> int:
         block_size, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        if self.shape[-1] % block_size:
+            raise ValueError(f"{self.name}: rows of {self.shape[-1]} are not whole {self.qtype.name} blocks")
         return self.shape[-1] // block_size * type_size
 
     @property
@@ -116,7 +121,10 @@ def plan_tensors(shape: ModelShape, vocab_size: int, weight_type: WeightType) ->
         qtype = getattr(weight_type, role.weight_field) if role.weight_field else Q.F32
         if more_bits and weight_type.more_bits is not None:
             qtype = weight_type.more_bits
-        return TensorPlan(name, tuple(dims[dim] for dim in dim_names), qtype, role)
+        shape = tuple(dims[dim] for dim in dim_names)
+        if qtype in K_QUANT_FALLBACK and shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = K_QUANT_FALLBACK[qtype]
+        return TensorPlan(name, shape, qtype, role)
 
     dims["vocab"] = vocab_size
     plans = [plan("token_embd.weight", ("vocab", "hidden"), EMBEDDING)]

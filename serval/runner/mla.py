@@ -69,6 +69,19 @@ class LatentAttention(nn.Module):
         # kv_b_proj split per head, made on first use (after loading): (num_heads, qk_nope, kv_lora_rank) and
         # (num_heads, v_head, kv_lora_rank) in the compute dtype
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # kernels.dense_linear_heads, set by use_kernels; None: torch.bmm
+        self.heads_kernel = None
+        self._w_uk_rows: torch.Tensor | None = None  # (num_heads, kv_lora_rank, qk_nope): W_UK^T per head
+
+    def use_kernels(self, kernels) -> None:
+        """The absorbed per-head products through kernels.dense_linear_heads (after loading): each head's rows
+        summed over K in one order whatever the number of tokens, so a token's bits never depend on its
+        step's size, and a decode's 16 small products are one parallel call (torch.bmm took ~110 us for the
+        2 MB of bf16 W_UK at one token, under 20 GB/s)."""
+        self.heads_kernel = kernels.dense_linear_heads
+        w_uk, w_uv = self.absorbed()
+        self._w_uk_rows = w_uk.transpose(1, 2).contiguous()
+        self._absorbed = (self._w_uk_rows.transpose(1, 2), w_uv)  # one copy of W_UK kept, not two
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK, W_UV): kv_b_proj's rows per head, dequantized once when only its packed form is kept."""
@@ -103,11 +116,17 @@ class LatentAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv.contiguous())  # (num_tokens, kv_lora_rank)
         q_pe, k_pe = rope.apply(self._halves(q_pe), self._halves(k_pe.unsqueeze(1)))
         w_uk, w_uv = self.absorbed()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # (num_heads, num_tokens, kv_lora_rank)
+        if self.heads_kernel is not None:
+            q_latent = self.heads_kernel(q_nope.transpose(0, 1), self._w_uk_rows)
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # (num_heads, num_tokens, kv_lora_rank)
         query = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # (num_tokens, num_heads, latent_dim)
         latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # (num_tokens, 1, latent_dim)
         out = paged_latent_attention(query, latent, cache, meta, self.scale, self.kv_lora_rank)
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # (num_heads, num_tokens, v_head_dim)
+        if self.heads_kernel is not None:
+            out = self.heads_kernel(out.transpose(0, 1), w_uv)
+        else:
+            out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # (num_heads, num_tokens, v_head_dim)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_head_dim), lora)
 
     def _halves(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, heads, rope_dim), contiguous

@@ -28,6 +28,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's split (MiniMax-M2's tokenizer.json): a word is an optional lead, capitals then lower-case letters
+# (so "CamelCase" is two pieces), with its English contraction attached; digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DIGIT_SPLIT = r"\p{N}"  # every digit its own piece, before the GPT-2 split (StarCoder-family vocabularies)
 # tokenizer.ggml.pre -> the regex splits applied in order, as llama.cpp's llama-vocab.cpp does
 _PRE_SPLITS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
@@ -44,6 +51,12 @@ _PRE_SPLITS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
         "dbrx": (_LLAMA3_SPLIT,),
         "qwen2": (_QWEN2_SPLIT,),
         "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+        # llama.cpp's CHATGLM4 type (GLM-4, GLM-4.5, ChatGLM): Llama 3's split, but merges ranked as usual
+        # and no BOS
+        "glm4": (_LLAMA3_SPLIT,),
+        "chatglm-bpe": (_LLAMA3_SPLIT,),
+        "minimax-m2": (_GPT4O_SPLIT,),
+        "gpt-4o": (_GPT4O_SPLIT,),
     }
 )
 # Vocabularies whose merges were learned with "a whole-word token beats merging" (HF: ignore_merges).

@@ -232,6 +232,27 @@ def test_the_bench_shape_of_deepseek_v2_lite_writes_and_serves_down_scaled(tmp_p
     assert len(tokens) == 4
 
 
+def test_the_q4_k_m_plan_falls_back_where_k_quant_blocks_do_not_divide_a_row(monkeypatch):
+    # DeepSeek-V2-Lite's ffn_down rows (10944 dense, 1408 an expert) are not whole 256-value super-blocks:
+    # llama-quantize writes them Q5_0 (Q4_K's fallback) and Q8_0 (Q6_K's); a truncated row would be a file
+    # neither server reads.
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    from make_model import WEIGHT_TYPES, plan_tensors, use_more_bits
+    from model_shapes import DEEPSEEK_V2_LITE
+
+    plans = {p.name: p for p in plan_tensors(DEEPSEEK_V2_LITE, 102400, WEIGHT_TYPES["Q4_K_M"])}
+    assert use_more_bits(0, 27) and not use_more_bits(4, 27)
+    assert plans["blk.0.ffn_down.weight"].qtype == Q.Q8_0  # Q6_K in a more-bits layer
+    assert plans["blk.26.ffn_down_exps.weight"].qtype == Q.Q8_0
+    assert plans["blk.4.ffn_down_exps.weight"].qtype == Q.Q5_0
+    assert plans["blk.4.ffn_gate_exps.weight"].qtype == Q.Q4_K  # 2048-wide rows keep the k-quant
+    assert plans["blk.4.ffn_down_exps.weight"].byte_shape == (64, 2048, 1408 // 32 * 22)
+
+
 def test_lora_is_refused_at_start_up(tiny_model_factory):
     from serval.config import LoraConfig
 

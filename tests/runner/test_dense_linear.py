@@ -75,3 +75,22 @@ def test_dense_linear_layers_use_it_at_every_row_count(kernels, dtype):
         expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     assert all(torch.equal(a, b) for a, b in zip(alone, batch))
     assert (batch.float() - expected).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("dtypes", ACCUMULATIONS[:2], ids=_ids)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_the_heads_form_is_each_heads_dense_linear(kernels, dtypes, rows):
+    # MLA's absorbed products (runner/mla.py): every head's rows exactly dense_linear's on that head alone,
+    # from a strided x (a (tokens, heads, K) tensor seen head-major), at any row count.
+    x_dtype, w_dtype = dtypes
+    torch.manual_seed(rows)
+    heads, in_features, out_features = 3, 100, 40
+    w = torch.randn(heads, out_features, in_features).to(w_dtype)
+    x = torch.randn(rows, heads, in_features).to(x_dtype).transpose(0, 1)  # (heads, rows, K), not contiguous
+    out = kernels.dense_linear_heads(x, w)
+    assert out.dtype == x_dtype and out.shape == (heads, rows, out_features)
+    for head in range(heads):
+        assert torch.equal(out[head], kernels.dense_linear(x[head], w[head])), head
+    assert torch.equal(kernels.dense_linear_heads(x[:, :1], w), out[:, :1])
+    with pytest.raises(RuntimeError, match="heads"):
+        kernels.dense_linear_heads(x, w[:2])

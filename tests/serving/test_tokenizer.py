@@ -264,3 +264,86 @@ def test_sentencepiece_gguf_tokenizer(tmp_path) -> None:
     umlaut = tokenizer.encode("ö")  # not in the vocabulary: falls back to its UTF-8 bytes
     assert [tokenizer.token_bytes(i) for i in umlaut][-2:] == [b"\xc3", b"\xb6"]
     assert tokenizer.token_bytes(tokenizer.encode("hello")[0]) == b" hello"
+
+
+# --- the pre-tokenizers GLM-4, ChatGLM and MiniMax-M2 GGUFs name ----------------------------------------
+
+# Their tokenizer.json splits (GLM-4's is Llama 3's regex; MiniMax-M2's GPT-4o's), before byte-level BPE.
+_LLAMA3_STYLE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_STYLE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Where the splits part ways with GPT-2's: digits in threes, CamelCase, contractions, a lead before a word,
+# punctuation runs with newlines and slashes.
+PRE_TOKENIZER_TEXTS = [
+    "numbers 1234567890 and 3.14159, 1,000,000",
+    "CamelCaseWords and HTTPServer; XMLHttpRequest",
+    "It's THEY'LL we'VE don't",
+    "path/to/file.txt\n\n  indented\tline\r\n",
+    "naïve café — Ünïcödé, 日本語のテキスト",
+    "$value+=42;//comment\n",
+]
+
+
+def _pre_tokenized_hf_tokenizer(split: str):
+    """A byte-level BPE trained behind `split` (as the model's tokenizer.json: Split, then ByteLevel without
+    its own regex), and transformers' fast tokenizer over it."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(CORPUS + PRE_TOKENIZER_TEXTS, trainer=trainer)
+    return backend, PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def _gguf_tokenizer(tmp_path, backend, pre: str) -> Tokenizer:
+    import transformers
+
+    from tests.fixtures.gguf_writer import tokenizer_metadata_from_tokenizers, write_gguf_from_state_dict
+
+    metadata = tokenizer_metadata_from_tokenizers(backend, pre=pre, bos_token_id=0, eos_token_id=1)
+    config = transformers.LlamaConfig(
+        vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    path = str(tmp_path / f"{pre}.gguf")
+    write_gguf_from_state_dict(
+        path, config.to_dict(), transformers.LlamaForCausalLM(config).state_dict(), tokenizer=metadata
+    )
+    return Tokenizer.from_source(resolve_model(path))
+
+
+@pytest.mark.parametrize(
+    "pre, split",
+    [
+        ("glm4", _LLAMA3_STYLE),
+        ("chatglm-bpe", _LLAMA3_STYLE),
+        ("minimax-m2", _GPT4O_STYLE),
+        ("gpt-4o", _GPT4O_STYLE),
+    ],
+)
+def test_gguf_pre_tokenizer_names_split_as_the_hf_tokenizer_does(tmp_path, pre: str, split: str) -> None:
+    backend, reference = _pre_tokenized_hf_tokenizer(split)
+    tokenizer = _gguf_tokenizer(tmp_path, backend, pre)
+    for text in PRE_TOKENIZER_TEXTS + SMALL_TEXTS:
+        assert tokenizer.encode_plain(text) == reference.encode(text, add_special_tokens=False), text
+    assert tokenizer.add_bos_token is False  # llama.cpp adds no BOS for these vocabularies
+    # The texts tell the split apart: the GPT-2 split ("default") tokenizes some of them otherwise.
+    gpt2_split = _gguf_tokenizer(tmp_path, backend, "default")
+    assert any(gpt2_split.encode_plain(t) != tokenizer.encode_plain(t) for t in PRE_TOKENIZER_TEXTS)

@@ -99,10 +99,15 @@ class NativeCpuBackend:
         return self._attend(q, cache, cache, metadata, scale, 0, None, value_dim)
 
     def _attend(self, q, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks, value_dim):
-        out = q.new_empty(*q.shape[:-1], value_dim)
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged = (-1, metadata.block_size, num_kv_heads, head_dim)  # the same memory, seen as blocks
         native_sinks = _NO_SINKS if sinks is None else sinks
+        if metadata.is_decode_only:  # every row a decode: no gather of q, no scatter of the output
+            return self.decode_kernel(
+                q.contiguous(), k_cache.view(paged), v_cache.view(paged), metadata.decode_block_tables,
+                metadata.decode_context_lens, scale, window, native_sinks, value_dim,
+            )  # fmt: skip
+        out = q.new_empty(*q.shape[:-1], value_dim)
         if metadata.decode_rows is not None:
             out[metadata.decode_rows] = self.decode_kernel(
                 q[metadata.decode_rows], k_cache.view(paged), v_cache.view(paged),

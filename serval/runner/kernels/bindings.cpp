@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_small_batch", &bf16_linear_small_batch, "x @ w.T for a few rows, bf16", release());
   m.def("dense_linear", &dense_linear, "x @ w.T for dense weights, a row's bits the same at any row count",
         release());
+  m.def("dense_linear_heads", &dense_linear_heads, "dense_linear over (heads, M, K) x and (heads, N, K) w at once",
+        release());
   // Which instruction-set variant this build is (kernels/__init__.py compiles one module per variant).
   m.attr("variant") = SERVAL_STRINGIFY(SERVAL_VARIANT);
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());

@@ -153,6 +153,9 @@ int64_t int8_rows_from();
 // x @ w.T for dense w (N, K) in fp32, bf16 or f16, each output summed over K in one order whatever x's row
 // count (dense_linear.cpp); the result in x's dtype. Also quantized_linear's 16-bit layout (GGUF F16/BF16).
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
+// dense_linear on each head at once: x (heads, M, K), w (heads, N, K) -> (heads, M, N), head h's rows exactly
+// dense_linear(x[h], w[h])'s (MLA's absorbed per-head projections, runner/mla.py).
+at::Tensor dense_linear_heads(at::Tensor x, at::Tensor w);
 // A sparse MoE layer's routed experts over packed stacked expert matrices (moe.cpp); (tokens, hidden) fp32.
 at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor expert_weights, std::vector<at::Tensor> gate,
                        std::vector<at::Tensor> up, std::vector<at::Tensor> down, at::Tensor gate_bias,

@@ -42,6 +42,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """One row a token: [c_kv, roped key], its first kv_lora_rank values the value."""
         return KvCacheSpec(1, arch.mla.latent_dim, latent_value_dim=arch.mla.kv_lora_rank)
 
+    def use_kernels(
+        self, kernels, kv_caches, block_size, dtype, int8_batch_activations=False, **options
+    ) -> None:
+        """Llama's, and each layer's latent attention on kernels.dense_linear_heads."""
+        super().use_kernels(kernels, kv_caches, block_size, dtype, int8_batch_activations, **options)
+        for layer in self.layers:
+            layer.self_attn.use_kernels(kernels)
+
     def lora_layout(self) -> dict[str, tuple[str, int, int]]:
         # NOTE: refused at start-up rather than half served: Llama's layout names fused q/k/v rows MLA lacks.
         raise ValueError(f"LoRA adapters are not supported for {self.arch.architecture} (latent attention)")
