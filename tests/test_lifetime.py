@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # 31 allocate-write-free rounds of a 12.6 MB tensor (the default model's 64-row fp32 logits); prints the minor
-# page faults of the last 30 rounds. "fixed" pins glibc's threshold at its documented start (128 KB): each
+# page faults of each of the last 30 rounds. "fixed" pins glibc's threshold at its documented start (128 KB): each
 # such tensor is then its own mapping. (glibc's own default raises the threshold after the first free, and
 # whether the heap's top is trimmed then depends on what else the heap holds: 4,700-24,600 faults here.)
 ROUNDS = """
@@ -29,21 +30,22 @@ def round_trip():
     logits.fill_(1.0)
     del logits
 round_trip()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(30):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     round_trip()
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults))
 """
 
 
-def page_faults(mode: str) -> int:
+def page_faults(mode: str) -> list[int]:
     done = subprocess.run([sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
 
 def test_freed_buffers_are_reused_without_page_faults():
-    pages_per_round = 64 * 49152 * 4 // 4096
-    assert page_faults("fixed") >= 30 * pages_per_round  # every round faults its pages in again
-    # Kept, they do not. (Seen: 0-5,200 faults in all, the process's other first-time touches and the
-    # host's memory reclaim; a third of the unkept count leaves room for those.)
-    assert page_faults("keep") < 10 * pages_per_round
+    # Medians over the rounds: a round's count also takes the process's other first touches and the host's
+    # memory reclaim, seen as a few thousand faults in the odd round either way.
+    assert statistics.median(page_faults("fixed")) > 0  # each round's new mapping is faulted in
+    assert statistics.median(page_faults("keep")) == 0  # kept: the same pages serve every round
