@@ -31,7 +31,8 @@ from serval.runner.layers import Linear, RMSNorm
 
 
 def prefilled_engine(model: str | None, batch_size: int, steps: int):
-    llm = LLM(model, max_num_seqs=batch_size, enable_prefix_caching=False)
+    # One sequence more than the batch: a mixed step's new prompt runs beside the batch, not after it.
+    llm = LLM(model, max_num_seqs=batch_size + 1, enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 50, ignore_eos=True)
