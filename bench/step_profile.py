@@ -48,10 +48,10 @@ def median_step_ms(engine, steps: int, prefill_tokens: int = 0) -> float:
     """The median step; with prefill_tokens, each step also prefills a new prompt up to that many tokens."""
     rng = random.Random(1)
     vocab_size = engine.runner.info.vocab_size
-    prompt_len = prefill_tokens - sum(1 for r in engine.requests.values())
+    prompt_len = prefill_tokens - len(engine.requests)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     times = []
-    for step in range(steps):
+    for _ in range(steps):
         if prefill_tokens:
             engine.add_request(
                 f"p{time.perf_counter_ns()}",

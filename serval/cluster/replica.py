@@ -30,11 +30,8 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, num_threads: int) -> None:
         import torch
 
-        from serval.lifetime import keep_freed_memory
-
         torch.set_num_threads(num_threads)
         self.client = EngineClient.start(config)
-        keep_freed_memory()  # this process's engine steps, as `serval serve`'s
         self.start_lora_names = tuple(self.client.loras)
         self._lora_lock = asyncio.Lock()  # one run-time adapter load or unload at a time
 

@@ -32,7 +32,7 @@ from serval.engine.loading import build_engine
 from serval.engine.outputs import TokenLogprob
 from serval.entrypoints.llm_media import chat_prompt, multi_modal_prompt
 from serval.entrypoints.offline_loop import OfflineLoop
-from serval.lifetime import freeze_long_lived_objects, keep_freed_memory
+from serval.lifetime import freeze_long_lived_objects
 from serval.sampling import SamplingParams
 from serval.serving.generation import GenerationRequest, PromptRules
 from serval.serving.media.limits import MediaConfig
@@ -125,7 +125,6 @@ class LLM:
         self.rules = PromptRules(self.engine.max_model_len)
         self._next_id = 0
         freeze_long_lived_objects()  # out of the collector's passes until exit (as in `serval serve`)
-        keep_freed_memory()
 
     @property
     def pipeline(self) -> OfflineLoop:

@@ -84,7 +84,7 @@ def build_frontend_app(server: ServerConfig, tokenizer, client, media_processor=
 
 def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource, replicas=None) -> None:
     from serval.api.shutdown import STARTUP_FAILURE, run
-    from serval.lifetime import freeze_long_lived_objects, keep_freed_memory
+    from serval.lifetime import freeze_long_lived_objects
 
     failures: list[str] = []
 
@@ -98,7 +98,6 @@ def serve(engine: EngineConfig, server: ServerConfig, source: ModelSource, repli
     try:
         frontend, app = build_frontend_app(server, tokenizer, client, media_processor)
         freeze_long_lived_objects()
-        keep_freed_memory()
         scheme = "https" if server.ssl_certfile else "http"
         logger = logging.getLogger("serval")
 

@@ -1,4 +1,4 @@
-"""serval.lifetime.keep_freed_memory: freed step-sized buffers are reused, not faulted back in page by page."""
+"""serval.engine.loading.keep_freed_memory: freed step-sized buffers are reused, not faulted back in page by page."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 ROUNDS = """
 import ctypes, json, resource, sys, torch
 if sys.argv[1] == "keep":
-    from serval.lifetime import keep_freed_memory
+    from serval.engine.loading import keep_freed_memory
     keep_freed_memory()
 else:
     ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
