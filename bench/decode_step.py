@@ -121,7 +121,7 @@ def main() -> None:
         "--batch-activations",
         default="auto",
         choices=["auto", "int8", "float32"],
-        help="as serve's flag (auto: int8 on AVX2 builds, int16 x with AVX-512)",
+        help="as serve's flag (auto: int8 wherever AVX2 is, int16 x in the portable build)",
     )
     parser.add_argument(
         "--as-cpu-without-bf16",

@@ -30,9 +30,11 @@ from serval import LLM, SamplingParams
 from serval.runner.layers import Linear, RMSNorm
 
 
-def prefilled_engine(model: str | None, batch_size: int, steps: int):
+def prefilled_engine(model: str | None, batch_size: int, steps: int, batch_activations: str = "auto"):
     # One sequence more than the batch: a mixed step's new prompt runs beside the batch, not after it.
-    llm = LLM(model, max_num_seqs=batch_size + 1, enable_prefix_caching=False)
+    llm = LLM(
+        model, max_num_seqs=batch_size + 1, enable_prefix_caching=False, batch_activations=batch_activations
+    )
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 50, ignore_eos=True)
@@ -127,10 +129,13 @@ def main() -> None:
         "--prefill-tokens", type=int, default=0,
         help="tokens a step carries, decode rows and a new prompt's prefill together (0: decode steps)",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch-activations", default="auto", choices=["auto", "int8", "float32"], help="as serve's flag"
+    )
     args = parser.parse_args()
     if args.prefill_tokens and args.prefill_tokens <= args.batch_size:
         parser.error("--prefill-tokens must exceed --batch-size (the decode rows)")
-    engine = prefilled_engine(args.model, args.batch_size, args.steps)
+    engine = prefilled_engine(args.model, args.batch_size, args.steps, args.batch_activations)
     model = engine.runner.model
     fused_ms = median_step_ms(engine, args.steps, args.prefill_tokens)
     model.decode_stack = None

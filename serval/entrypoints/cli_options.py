@@ -225,8 +225,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="matmuls over packed 4-bit weights, one way at every row count: "
         "int8 (x rounded per block of 32 as llama.cpp does, outliers "
         "exact; twice the products an instruction, closer to fp32 than llama.cpp on the default model), "
-        "float32 (int16 x: near-exact products of the file's weights) or auto (default: int8 on AVX2, "
-        "float32 with AVX-512, where it is faster up to 16 rows; docs/configuration.md)",
+        "float32 (int16 x: near-exact products of the file's weights) or auto (default: int8 wherever "
+        "AVX2 is, float32 in the portable build; docs/configuration.md)",
     )
     p.add_argument(
         "--deterministic",

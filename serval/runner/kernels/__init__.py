@@ -143,16 +143,15 @@ def packed_rows_limit(kernels) -> int:
 
 
 def default_batch_activations(kernels) -> str:
-    """What `--batch-activations auto` means for these kernels: "int8" where AVX2's int8 products are the
-    faster path at every row count (`avx2`, `avx2_vnni`: VPMADDUBSW/VPDPBUSD on the nibbles as they are, where
-    the int16 products bound even a batch-1 decode), "float32" (int16 x) with AVX-512, the portable build or
-    none. One path serves every row count (batch invariance), and with AVX-512-VNNI int16 x measured faster
-    up to 16 rows (2026-12-06, AMD family 26, decode steps: Llama-3.2-1B shape Q4_0 at 1 row 12.6-15.6 ms
-    against int8's 17.5, at 16 rows 55-61 against 72-77; the default model 4.1-4.2 against 5.7-6.2 and
-    15.3-16.1 against 19-22) and slower past that (1B at 64 rows ~1.15x int8's time, a 512-token prefill
-    ~1.2x): interactive latency first; `--batch-activations int8` takes the other side
-    (docs/benchmarks/2026-12-06.md)."""
-    if kernels is not None and kernels.variant in ("avx2", "avx2_vnni"):
+    """What `--batch-activations auto` means for these kernels: "int8" wherever AVX2 is (`avx512`,
+    `avx512_vnni`, `avx2_vnni`, `avx2`: VPDPBUSD or VPMADDUBSW on the nibbles as they are, twice the products
+    an instruction of the int16 path), "float32" (int16 x) in the portable build or with no kernels. One path
+    serves every row count (batch invariance). With AVX-512-VNNI, int16 x was the default until its int8
+    path rounded x on every thread and streamed runs of consecutive groups (2026-12-06, AMD family 26,
+    default model, served side by side: int8 1.00x int16 at C=1 per stream, 1.03x at C=16, 1.08x at C=64;
+    a 512-token mixed step 235-246 against 285-290 ms; docs/benchmarks/2026-12-06.md). Before that, int16
+    was faster up to 16 rows there. `float32` keeps the int16 path, closer to fp32."""
+    if kernels is not None and kernels.variant != "portable":
         return "int8"
     return "float32"
 

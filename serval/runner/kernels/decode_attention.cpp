@@ -110,7 +110,7 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
 // bits as before, and as a prefill chunk gives (batch invariance).
 template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim, of kValueChunk vectors
 void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_cache, const Context& c,
-                  const float* sinks, float* scores, int64_t stride, float* keys, float* out) {
+                  const float* sinks, float* scores, int64_t stride, float* keys, float* inv, float* out) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W;
   // Pass 1: scores[h][t] = q_h . k_t * scale, W tokens a tile, their horizontal sums done together.
@@ -132,7 +132,6 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
   }
   // Softmax numerators (zero outside the visible keys); the division by their sum is folded into the output.
   const Vec minus_infinity = simd::set1(-INFINITY);
-  std::vector<float> inv(group);
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * stride;
     Vec vmax = minus_infinity;
@@ -160,11 +159,23 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
     }
     for (int c0 = 0; c0 < CV; c0 += CB) {
       with_row_count<NH>(heads, [&](auto n) {
-        weigh_values<T, CB, decltype(n)::value>(v_cache, c, weights, inv.data() + h0, c0, outs);
+        weigh_values<T, CB, decltype(n)::value>(v_cache, c, weights, inv + h0, c0, outs);
       });
     }
   }
 }
+
+// A thread's buffers for its (sequence, kv head) tasks: the group's queries and outputs in fp32, its scores
+// (whole tiles a head), a tile of widened keys, the plain path's row, the sinks, the softmax's 1 / sums and
+// the visible tokens' row offsets. Sized on a thread's first task; later tasks reuse them.
+struct Scratch {
+  std::vector<float> qf, acc, keys, row, scores, group_sinks, inv;
+  std::vector<int64_t> rows;
+  void size_for(int64_t group, int64_t head_dim, int64_t value_dim) {
+    qf.resize(group * head_dim), acc.resize(group * value_dim), keys.resize(simd::kWidth * head_dim);
+    row.resize(head_dim), group_sinks.resize(group), inv.resize(group);
+  }
+};
 
 template <typename T>
 void decode_attention_impl(
@@ -190,52 +201,51 @@ void decode_attention_impl(
   const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
   const int64_t block_stride = block_size * slot_stride;
 
-  parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per task: the group's queries and outputs in fp32, its scores (whole tiles a head), a tile of widened keys.
-    std::vector<float> qf(group * head_dim), acc(group * value_dim), keys(simd::kWidth * head_dim), row(head_dim);
-    std::vector<float> scores, group_sinks(group);
-    std::vector<int64_t> rows;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t context_len = lens[seq];
-      const int64_t visible_from = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-      // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
-      // prefill_attention.cpp's): the same lanes, so the same sums.
-      const int64_t first = visible_from / simd::kWidth * simd::kWidth;
-      const int64_t len = context_len - first;
-      const int64_t stride = len + simd::kWidth;  // whole tiles
-      scores.resize(group * stride);
-      // Each visible token's row offset, found once per task (a division per token costs more than its math).
-      rows.resize(len);
-      for (int64_t b = first / block_size, t0 = b * block_size; t0 < context_len; ++b, t0 += block_size) {
-        const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
-        for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < context_len; ++i)
-          rows[t0 + i - first] = offset + i * slot_stride;
-      }
-      const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
-      for (int64_t g = 0; g < group; ++g) {
-        load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
-        group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
-      }
-      const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale)};
-      const bool same = head_dim == value_dim;
-      const auto attend = [&](auto kernel) {
-        kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(), acc.data());
-      };
-      if (same && head_dim == 32) attend(attend_group<T, 32>);
-      else if (same && head_dim == 64) attend(attend_group<T, 64>);
-      else if (same && head_dim == 128) attend(attend_group<T, 128>);
-      else if (head_dim == 576 && value_dim == 512) attend(attend_group<T, 576, 512>);
-      else {
-        for (int64_t g = 0; g < group; ++g)
-          attend_head_plain<T>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
-                               context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
-                               acc.data() + g * value_dim);
-      }
-      T* o = out_ptr + first_head * value_dim;
-      for (int64_t d = 0; d < group * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
+  parallel_tasks<Scratch>(num_seqs * num_kv_heads, [&](int64_t task, Scratch& scratch) {
+    scratch.size_for(group, head_dim, value_dim);
+    std::vector<float> &qf = scratch.qf, &acc = scratch.acc, &keys = scratch.keys, &row = scratch.row;
+    std::vector<float> &scores = scratch.scores, &group_sinks = scratch.group_sinks, &inv = scratch.inv;
+    std::vector<int64_t>& rows = scratch.rows;
+    const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+    const int64_t context_len = lens[seq];
+    const int64_t visible_from = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
+    // prefill_attention.cpp's): the same lanes, so the same sums.
+    const int64_t first = visible_from / simd::kWidth * simd::kWidth;
+    const int64_t len = context_len - first;
+    const int64_t stride = len + simd::kWidth;  // whole tiles
+    scores.resize(group * stride);
+    // Each visible token's row offset, found once per task (a division per token costs more than its math).
+    rows.resize(len);
+    for (int64_t b = first / block_size, t0 = b * block_size; t0 < context_len; ++b, t0 += block_size) {
+      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
+      for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < context_len; ++i)
+        rows[t0 + i - first] = offset + i * slot_stride;
     }
-  }, Schedule::kDynamic);
+    const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
+    for (int64_t g = 0; g < group; ++g) {
+      load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
+      group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
+    }
+    const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale)};
+    const bool same = head_dim == value_dim;
+    const auto attend = [&](auto kernel) {
+      kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(),
+             inv.data(), acc.data());
+    };
+    if (same && head_dim == 32) attend(attend_group<T, 32>);
+    else if (same && head_dim == 64) attend(attend_group<T, 64>);
+    else if (same && head_dim == 128) attend(attend_group<T, 128>);
+    else if (head_dim == 576 && value_dim == 512) attend(attend_group<T, 576, 512>);
+    else {
+      for (int64_t g = 0; g < group; ++g)
+        attend_head_plain<T>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
+                             context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
+                             acc.data() + g * value_dim);
+    }
+    T* o = out_ptr + first_head * value_dim;
+    for (int64_t d = 0; d < group * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
+  });
 }
 
 }  // namespace

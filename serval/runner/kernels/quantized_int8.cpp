@@ -85,32 +85,46 @@ struct Int8Split {
   QuantizedRows<int8_t> rows;
 };
 
-inline Int8Split split_for_int8(const float* x, int64_t M, int64_t K) {
-  std::vector<Outlier> outliers;
-  for (int64_t r = 0; r < M; ++r) {
-    const float* row = x + r * K;
-    float squares = 0.0f;
-    for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
-    const float bound = kOutlierRatio * kOutlierRatio * squares / static_cast<float>(K);
-    for (int64_t k = 0; k < K; ++k)
-      if (row[k] * row[k] > bound) outliers.push_back({k, r, row[k]});
-  }
-  QuantizedRows<int8_t> rows = quantize_rows<int8_t>(x, M, K);
-  // Each block holding an outlier is rounded again without it (a handful of blocks: no copy of x). The
-  // outliers come in row, column order, so a block's outliers are consecutive.
+// Per row, in parallel: its mean square (a vector sum in a fixed order: the bound is the row's alone), its
+// outliers, and its blocks rounded with the outliers taken as 0. Done on one thread this took as long as
+// the int8 products themselves at 64-512 rows (AMD family 26, `perf`).
+template <typename In>
+Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
   const int64_t num_blocks = K / kBlock;
-  const auto block_of = [&](const Outlier& o) { return o.row * num_blocks + o.column / kBlock; };
-  for (size_t j = 0; j < outliers.size();) {
-    const int64_t i = block_of(outliers[j]);
-    float xb[kBlock];
-    std::memcpy(xb, x + i * kBlock, sizeof(xb));
-    for (; j < outliers.size() && block_of(outliers[j]) == i; ++j) xb[outliers[j].column % kBlock] = 0.0f;
-    const QuantizedRows<int8_t> block = quantize_rows<int8_t>(xb, 1, kBlock);
-    std::memcpy(rows.codes.data() + i * kBlock, block.codes.data(), kBlock);
-    rows.scales[i] = block.scales[0];
-    rows.sums[i] = block.sums[0];
-  }
-  std::sort(outliers.begin(), outliers.end(), [](const Outlier& a, const Outlier& b) { return a.column < b.column; });
+  QuantizedRows<int8_t> rows{std::vector<int8_t>(M * K), std::vector<float>(M * num_blocks),
+                             std::vector<float>(M * num_blocks)};
+  std::vector<std::vector<Outlier>> row_outliers(M);
+  parallel_chunks(M, std::max<int64_t>(1, kQuantizeGrain / num_blocks), [&](int64_t begin, int64_t end) {
+    alignas(64) float xb[kBlock];
+    for (int64_t r = begin; r < end; ++r) {
+      const In* row = x + r * K;
+      simd::Vec squares_v = simd::zero();
+      for (int64_t k = 0; k < K; k += simd::kWidth) {
+        const simd::Vec v = simd::load(row + k);
+        squares_v = simd::fmadd(v, v, squares_v);
+      }
+      const float bound = kOutlierRatio * kOutlierRatio * simd::reduce_add(squares_v) / static_cast<float>(K);
+      for (int64_t s = 0; s < num_blocks; ++s) {
+        load_row(row + s * kBlock, xb, kBlock);
+        bool any = false;
+        for (int64_t j = 0; j < kBlock; ++j) any |= xb[j] * xb[j] > bound;
+        if (any) {
+          for (int64_t j = 0; j < kBlock; ++j) {
+            if (xb[j] * xb[j] > bound) {
+              row_outliers[r].push_back({s * kBlock + j, r, xb[j]});
+              xb[j] = 0.0f;
+            }
+          }
+        }
+        const int64_t i = r * num_blocks + s;
+        quantize_block(xb, rows.codes.data() + i * kBlock, &rows.scales[i], &rows.sums[i]);
+      }
+    }
+  });
+  std::vector<Outlier> outliers;
+  for (const auto& found : row_outliers) outliers.insert(outliers.end(), found.begin(), found.end());
+  // By column, so that each column's weights are dequantized once a group; a row's outliers keep their order.
+  std::stable_sort(outliers.begin(), outliers.end(), [](const Outlier& a, const Outlier& b) { return a.column < b.column; });
   return {std::move(outliers), std::move(rows)};
 }
 
@@ -181,7 +195,7 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < kChains; ++k) chains[r][k] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      if constexpr (R <= 2) simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
+      simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
       const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
       __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       if constexpr (Traits<L>::kCodeTable) {  // unsigned v + 12 (kInt8Table)
@@ -222,23 +236,23 @@ GroupPass group_pass_for(int64_t rows) {
   return with_row_count<kPassRows>(rows, [](auto R) -> GroupPass { return group_pass<L, R.value>; });
 }
 
-template <Layout L>
-void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
+template <Layout L, typename In>
+void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
   static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
                 Traits<L>::kScaleWeights == kBlock);
   const Int8Split split = split_for_int8(x, M, w.K);
   const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
-  // A decode's few rows make quick, even groups: runs of them in large guided shares, so that each thread
-  // streams consecutive codes. Many rows' groups are long: one at a time.
-  const bool few = M <= kFewRows;
-  parallel_chunks(num_groups, few ? num_groups / 16 : 1, [&](int64_t begin, int64_t end) {
+  // Runs of consecutive groups in guided shares (about 16 a call, as the int16 path's), so that each thread
+  // streams consecutive codes: handed out one group at a time, the threads' interleaved groups made a
+  // 16-row decode step 1.4x the int16 path's time (AMD family 26), the kernel alone being 0.7x.
+  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
     for (int64_t G = begin; G < end; ++G) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
       add_outlier_products<L>(w, G, split.outliers, out, out_stride);
     }
-  }, few ? Schedule::kGuided : Schedule::kDynamic);
+  });
 }
 #elif defined(__AVX2__)
 constexpr int kPassRows = 4;  // rows of x per pass: 2 int16 sums each plus a chunk's 4 operands fit 16 registers
@@ -392,8 +406,8 @@ GroupFewRows group_few_rows_for(int64_t rows) {
   return with_row_count<kFewRowsPass>(rows, [](auto R) -> GroupFewRows { return group_few_rows<L, R.value>; });
 }
 
-template <Layout L>
-void matmul_impl(const float* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
+template <Layout L, typename In>
+void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride) {
   static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
                 Traits<L>::kScaleWeights == kBlock);
@@ -450,8 +464,9 @@ bool has_int8_rows(Layout layout) {
 #endif
 }
 
-void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride) {
+template <typename In>
+void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                           float* out, int64_t out_stride) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
 #if defined(__AVX2__)
   switch (layout) {
@@ -461,7 +476,19 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
     case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride); break;
     default: break;
   }
+#else
+  (void)x, (void)M, (void)w, (void)num_groups, (void)out, (void)out_stride;
 #endif
+}
+
+void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                      float* out, int64_t out_stride) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride);
+}
+
+void matmul_int8_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                      float* out, int64_t out_stride) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride);
 }
 
 }  // namespace serval_kernels::quantized
@@ -469,10 +496,9 @@ void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout l
 // A decode step's few rows take int8 too, so that a row's numbers are the same alone and in any batch (the
 // batch-invariance rule: a row's x is rounded the same way whatever M). On AVX2 VPMADDUBSW (AVX-VNNI's
 // VPDPBUSD) outpaces the int16 path's products at every row count (1.2-1.6x at 1-8 rows,
-// docs/benchmarks/2026-12-02.md). With AVX-512-VNNI int8 took the same time alone and 0.6-0.75x at 4-8 rows
-// on 2048- to 8192-wide matrices; whole decode steps of a 1B model were no faster then (rounding x and its
-// outliers cost what the products saved), which kept int16 for those rows until batch invariance asked for
-// one path.
+// docs/benchmarks/2026-12-02.md). With AVX-512-VNNI a lone row takes the same time either way, and since x is
+// rounded on every thread and the groups stream in runs (2026-12-06) a 16-row decode step is level with
+// int16's and larger batches faster (kernels.default_batch_activations).
 int64_t int8_rows_from() {
 #if defined(__AVX2__)
   return 1;

@@ -316,23 +316,26 @@ void matmul_packed_rows(const float* x, int64_t M, const PackedMatrix& w, Layout
 
 namespace {
 
-// out (M, padded) fp32 -> (M, N) in dtype. NOTE: a loop rather than narrow + to: for a decode step's few
-// rows these are a dozen tensor ops' dispatch (a microsecond each, 120 matmuls a token) around a copy of a
-// few hundred values.
+// out (M, padded) fp32 -> (M, N) in dtype, rows split over the threads (on one, the bf16 conversion took
+// 2% of a 512-row prefill matmul and the other thread waited). NOTE: a loop rather than narrow + to: for a
+// decode step's few rows these are a dozen tensor ops' dispatch (a microsecond each, 120 matmuls a token)
+// around a copy of a few hundred values.
 at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
   const int64_t M = out.size(0), padded = out.size(1);
   if (dtype == at::kFloat && N == padded) return out;
   if (dtype != at::kFloat && dtype != at::kBFloat16) return out.narrow(1, 0, N).to(dtype);
   auto y = at::empty({M, N}, out.options().dtype(dtype));
   const float* src = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    if (dtype == at::kFloat) {
-      std::memcpy(y.data_ptr<float>() + m * N, src + m * padded, N * sizeof(float));
-    } else {
-      at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
-      for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
+  parallel_chunks(M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      if (dtype == at::kFloat) {
+        std::memcpy(y.data_ptr<float>() + m * N, src + m * padded, N * sizeof(float));
+      } else {
+        at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
+        for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
+      }
     }
-  }
+  });
   return y;
 }
 
@@ -364,12 +367,14 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   float* op = out.data_ptr<float>();
   // int8 x where asked and this build has it for the layout, from int8_rows_from() rows; otherwise int16 x.
   const bool int8_rows = int8_batch_activations && has_int8_rows(layout) && M >= int8_rows_from();
-  // The int16 path reads bf16 x as it is; the int8 one takes fp32.
-  const auto xf = M == 0 || !int8_rows ? x.contiguous() : x.to(at::kFloat).contiguous();
+  // Both paths read fp32 or bf16 x as it is (other dtypes as fp32).
+  const auto xf = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? x.contiguous()
+                                                                                      : x.to(at::kFloat).contiguous();
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (int8_rows) {
-    matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+    if (xf.scalar_type() == at::kFloat) matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+    else matmul_int8_rows(xf.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
   } else {
     TORCH_CHECK(xf.scalar_type() == at::kFloat || xf.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
     const Int16Rows xq = xf.scalar_type() == at::kFloat
