@@ -207,7 +207,9 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
     if rows >= kernels.int8_rows_from:  # int8 x where the build has it (portable: 0, never)
         int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
-        if packed.bits == 4 and kernels.int8_rows_from:
+        # int8 x over 4-bit codes wherever AVX2 is, and over Q8_0's int8 codes with AVX-512-VNNI.
+        int8_codes = packed.bits == 4 or (packed.bits == 8 and kernels.variant.startswith("avx512"))
+        if int8_codes and kernels.int8_rows_from:
             # x rounded to 1/127 of each block's largest value, the outlier channel (900) exact.
             expected = _reference(x, weight, _offsets(block), levels=127).float()
             assert (int8 - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
@@ -244,7 +246,9 @@ def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8)
 
 
 @pytest.mark.parametrize(
-    "qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name
+    "qtype",
+    [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],
+    ids=lambda t: t.name,
 )
 @pytest.mark.parametrize("rows", [4, 32])
 def test_rounded_x_meets_the_file_weights_not_their_codes(kernels, qtype, rows):
