@@ -88,22 +88,29 @@ inline void parallel_chunks(int64_t n, int64_t grain, const F& f, Schedule sched
   }
 }
 
-// f(task, scratch) for each task in [0, n), handed out one at a time as parallel_chunks' kDynamic does, with one
-// Scratch per thread for all the tasks it takes: attention's tasks take microseconds, and allocating their
-// buffers per task took 3-4% of a 64-sequence decode step's attention (malloc and free, `perf`).
+// f(task, next, scratch) for each task in [0, n), handed out `run` consecutive tasks at a time as the threads
+// ask (parallel_chunks' kDynamic, for tasks of microseconds). `next` is the task the same thread runs after
+// this one, or -1 where that is not known (a run's last), so that f can ask for its first data ahead; each
+// thread keeps one Scratch for all its tasks (allocating per task took 3-4% of a 64-sequence decode step's
+// attention: malloc and free, `perf`).
 template <typename Scratch, typename F>
-inline void parallel_tasks(int64_t n, const F& f) {
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), n);
+inline void parallel_task_runs(int64_t n, int64_t run, const F& f) {
+  const int64_t num_runs = (n + run - 1) / run;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_runs);
+  const auto run_tasks = [&](int64_t r, Scratch& scratch) {
+    const int64_t end = std::min(n, (r + 1) * run);
+    for (int64_t task = r * run; task < end; ++task) f(task, task + 1 < end ? task + 1 : -1, scratch);
+  };
   if (num_threads <= 1 || at::in_parallel_region()) {
     Scratch scratch;
-    for (int64_t task = 0; task < n; ++task) f(task, scratch);
+    for (int64_t r = 0; r < num_runs; ++r) run_tasks(r, scratch);
     return;
   }
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n; ++task) f(task, scratch);
+    for (int64_t r = 0; r < num_runs; ++r) run_tasks(r, scratch);
   }
 }
 
