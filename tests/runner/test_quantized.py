@@ -157,7 +157,7 @@ def test_weights_without_an_exact_form_are_left_alone():
     assert find_packed(torch.randn(32, 48)) is None  # width not a multiple of 32
 
 
-OUTLIER_RATIO = 10.0  # quantized_int8.cpp's kOutlierRatio
+OUTLIER_RATIO = 10.0  # int8_split.h's kOutlierRatio
 
 
 def _reference(

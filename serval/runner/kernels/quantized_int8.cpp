@@ -21,7 +21,7 @@
 // v + 12 and the offset m = -12 d takes the shift back, as Q4_0's m = -8 d does; VPMADDUBSW's int16 sums
 // (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
 // magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
-#include "quantized.h"
+#include "int8_split.h"
 
 using namespace serval_kernels;
 using namespace serval_kernels::quantized;
@@ -29,20 +29,6 @@ using namespace serval_kernels::quantized;
 namespace {
 
 #if defined(__AVX2__)
-// Outliers. Some models' activations hold values tens of times larger than the rest of their row (SmolLM2's
-// do, in a few channels); rounded to int8 with its block, such a value leaves the block's other 31 a level or
-// two each, which flipped most greedy answers of the default model within 32 tokens. A value past
-// kOutlierRatio times its row's RMS is therefore taken out of the int8 rows and multiplied exactly, its
-// column's weights dequantized a group at a time: ~90 values a matmul of a 128-row prefill of the default
-// model, ~60 of a random-weight 1B. (At 6x the default model's fidelity was better still, but the random
-// 1B's heavy-tailed SwiGLU outputs gave ~480 columns a matmul, and its prefill took 30-40% longer.)
-constexpr float kOutlierRatio = 10.0f;
-
-struct Outlier {
-  int64_t column, row;
-  float value;
-};
-
 // The table MXFP4's nibbles are looked up in, as the products here take them (top of this file): v + 12 with
 // VPDPBUSD's int32 sums, signed v with VPMADDUBSW's int16 ones.
 #if defined(__AVX512VNNI__)
@@ -78,93 +64,6 @@ inline __m256i pair_products(__m256i codes, __m256i x) {
   return _mm256_maddubs_epi16(codes, x);
 }
 
-// x's outliers (ordered by column, so each column's weights are dequantized once a group), and the rest of
-// x rounded to int8 per block with the outliers taken as 0.
-struct Int8Split {
-  std::vector<Outlier> outliers;
-  QuantizedRows<int8_t> rows;
-};
-
-// Per row, in parallel: its mean square (a vector sum in a fixed order: the bound is the row's alone), its
-// outliers, and its blocks rounded with the outliers taken as 0. Done on one thread this took as long as
-// the int8 products themselves at 64-512 rows (AMD family 26, `perf`).
-template <typename In>
-Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
-  const int64_t num_blocks = K / kBlock;
-  QuantizedRows<int8_t> rows{std::vector<int8_t>(M * K), std::vector<float>(M * num_blocks),
-                             std::vector<float>(M * num_blocks)};
-  std::vector<std::vector<Outlier>> row_outliers(M);
-  parallel_chunks(M, std::max<int64_t>(1, kQuantizeGrain / num_blocks), [&](int64_t begin, int64_t end) {
-    alignas(64) float xb[kBlock];
-    for (int64_t r = begin; r < end; ++r) {
-      const In* row = x + r * K;
-      simd::Vec squares_v = simd::zero();
-      for (int64_t k = 0; k < K; k += simd::kWidth) {
-        const simd::Vec v = simd::load(row + k);
-        squares_v = simd::fmadd(v, v, squares_v);
-      }
-      const float bound = kOutlierRatio * kOutlierRatio * simd::reduce_add(squares_v) / static_cast<float>(K);
-      for (int64_t s = 0; s < num_blocks; ++s) {
-        load_row(row + s * kBlock, xb, kBlock);
-        bool any = false;
-        for (int64_t j = 0; j < kBlock; ++j) any |= xb[j] * xb[j] > bound;
-        if (any) {
-          for (int64_t j = 0; j < kBlock; ++j) {
-            if (xb[j] * xb[j] > bound) {
-              row_outliers[r].push_back({s * kBlock + j, r, xb[j]});
-              xb[j] = 0.0f;
-            }
-          }
-        }
-        const int64_t i = r * num_blocks + s;
-        quantize_block(xb, rows.codes.data() + i * kBlock, &rows.scales[i], &rows.sums[i]);
-      }
-    }
-  });
-  std::vector<Outlier> outliers;
-  for (const auto& found : row_outliers) outliers.insert(outliers.end(), found.begin(), found.end());
-  // By column, so that each column's weights are dequantized once a group; a row's outliers keep their order.
-  std::stable_sort(outliers.begin(), outliers.end(), [](const Outlier& a, const Outlier& b) { return a.column < b.column; });
-  return {std::move(outliers), std::move(rows)};
-}
-
-// Weight k of group G's 16 rows, as the file holds it: w = d q + m (byte layout in quantized.h: in the 4-bit
-// layouts weight 8c + 4n + 2h + e of a block is nibble n of byte (h, r, e) of chunk c; in Q8_0's, weight
-// 4c + 2h + e is byte (h, r, e) of chunk c, and w = d q).
-template <Layout L>
-inline void column_weights(const PackedMatrix& w, int64_t G, int64_t k, float* out) {
-  alignas(64) float d[kGroup], m[kGroup];
-  const int64_t s = k / kBlock, i = k % kBlock;
-  block_scales<L>(w, G, s, d, m);
-  if constexpr (L == Layout::kQ8) {
-    const int c = static_cast<int>(i / 4), h = static_cast<int>(i % 4 / 2), e = static_cast<int>(i % 2);
-    const auto* bytes = reinterpret_cast<const int8_t*>(w.codes + G * w.group_bytes +
-                                                        s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes) + h * 32 + e;
-    for (int r = 0; r < kGroup; ++r) out[r] = d[r] * static_cast<float>(bytes[2 * r]);
-    return;
-  }
-  if constexpr (Traits<L>::kCodeTable) std::fill_n(m, kGroup, 0.0f);  // w = v[q] d
-  const int c = static_cast<int>(i / 8), n = static_cast<int>(i % 8 / 4), h = static_cast<int>(i % 4 / 2),
-            e = static_cast<int>(i % 2);
-  const uint8_t* bytes = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes + h * 32 + e;
-  for (int r = 0; r < kGroup; ++r) {
-    const int nibble = (bytes[2 * r] >> (4 * n)) & 0x0F;
-    out[r] = d[r] * static_cast<float>(Traits<L>::kCodeTable ? kMxfp4Values[nibble] : nibble) + m[r];
-  }
-}
-
-// out[r][16 G + n] += the outliers' exact products with group G's 16 rows.
-template <Layout L>
-void add_outlier_products(const PackedMatrix& w, int64_t G, const std::vector<Outlier>& outliers, float* out,
-                          int64_t out_stride) {
-  alignas(64) float weights[kGroup];
-  int64_t column = -1;
-  for (const Outlier& o : outliers) {
-    if (o.column != column) column_weights<L>(w, G, column = o.column, weights);
-    float* y = out + o.row * out_stride + G * kGroup;
-    for (int r = 0; r < kGroup; ++r) y[r] += o.value * weights[r];
-  }
-}
 #endif
 
 #if defined(__AVX512VNNI__)
