@@ -184,7 +184,7 @@ struct Scratch {
   std::vector<int64_t> rows, next_rows;
   void size_for(int64_t group, int64_t head_dim, int64_t value_dim) {
     qf.resize(group * head_dim), acc.resize(group * value_dim), keys.resize(simd::kWidth * head_dim);
-    row.resize(head_dim), group_sinks.resize(group), inv.resize(group);
+    row.resize(head_dim), group_sinks.resize(group), inv.resize(group), next_rows.resize(kNextRows);
   }
 };
 
@@ -221,28 +221,24 @@ void decode_attention_impl(
         out[t0 + i - first] = offset + i * slot_stride;
     }
   };
-  const auto first_visible = [&](int64_t seq) {
-    const int64_t visible_from = window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
-    return visible_from / simd::kWidth * simd::kWidth;
-  };
+  // The first token a sequence's query sees (a window's first key; 0: all of them).
+  const auto visible_from = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0; };
+  // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
+  // prefill_attention.cpp's): the same lanes, so the same sums.
+  const auto first_row = [&](int64_t seq) { return visible_from(seq) / simd::kWidth * simd::kWidth; };
   parallel_task_runs<Scratch>(num_seqs * num_kv_heads, kTaskRun, [&](int64_t task, int64_t next, Scratch& scratch) {
     scratch.size_for(group, head_dim, value_dim);
     int64_t next_len = 0;
     if (next >= 0) {
-      const int64_t next_seq = next / num_kv_heads, next_first = first_visible(next_seq);
+      const int64_t next_seq = next / num_kv_heads, next_first = first_row(next_seq);
       next_len = std::min<int64_t>(lens[next_seq] - next_first, kNextRows);
-      scratch.next_rows.resize(kNextRows);
       fill_rows(next_seq, next % num_kv_heads, next_first, next_first + next_len, scratch.next_rows.data());
     }
     std::vector<float> &qf = scratch.qf, &acc = scratch.acc, &keys = scratch.keys, &row = scratch.row;
     std::vector<float> &scores = scratch.scores, &group_sinks = scratch.group_sinks, &inv = scratch.inv;
     std::vector<int64_t>& rows = scratch.rows;
     const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-    const int64_t context_len = lens[seq];
-    const int64_t visible_from = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-    // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
-    // prefill_attention.cpp's): the same lanes, so the same sums.
-    const int64_t first = visible_from / simd::kWidth * simd::kWidth;
+    const int64_t context_len = lens[seq], first = first_row(seq);
     const int64_t len = context_len - first;
     const int64_t stride = len + simd::kWidth;  // whole tiles
     scores.resize(group * stride);
@@ -253,7 +249,7 @@ void decode_attention_impl(
       load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
       group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
     }
-    const Context context{rows.data(), len, visible_from - first, static_cast<float>(scale), scratch.next_rows.data(),
+    const Context context{rows.data(), len, visible_from(seq) - first, static_cast<float>(scale), scratch.next_rows.data(),
                           next_len};
     const bool same = head_dim == value_dim;
     const auto attend = [&](auto kernel) {

@@ -33,8 +33,10 @@ struct Int8Split {
 
 // Per row, in parallel: its mean square (a vector sum in a fixed order: the bound is the row's alone), its
 // outliers, and its blocks rounded with the outliers taken as 0. Done on one thread this took as long as
-// the int8 products themselves at 64-512 rows (AMD family 26, `perf`).
-template <typename In>
+// the int8 products themselves at 64-512 rows (AMD family 26, `perf`). kPlus128: each code is stored as
+// code + 128 (its sign bit flipped), VPDPBUSD's unsigned operand for Q8_0's signed weights
+// (quantized_int8.cpp's group_pass_q8), while the block is still in L1.
+template <bool kPlus128 = false, typename In>
 Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
   const int64_t num_blocks = K / kBlock;
   QuantizedRows<int8_t> rows{std::vector<int8_t>(M * K), std::vector<float>(M * num_blocks),
@@ -63,7 +65,10 @@ Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
           }
         }
         const int64_t i = r * num_blocks + s;
-        quantize_block(xb, rows.codes.data() + i * kBlock, &rows.scales[i], &rows.sums[i]);
+        int8_t* codes = rows.codes.data() + i * kBlock;
+        quantize_block(xb, codes, &rows.scales[i], &rows.sums[i]);
+        if constexpr (kPlus128)
+          for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int8_t>(codes[j] ^ 0x80);
       }
     }
   });

@@ -137,7 +137,7 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
 }
 
 // Q8_0: signed int8 codes times int8 x. VPDPBUSD takes one operand unsigned, so x goes in as x + 128 (its codes
-// with the sign bit flipped: matmul_impl) and the codes as they are, and 128 times each row's code sum over the
+// with the sign bit flipped: split_for_int8) and the codes as they are, and 128 times each row's code sum over the
 // block, one more VPDPBUSD a chunk against 128s shared by the pass's rows, is taken back: exact in int32. The
 // same word permute as above makes dword r of a chunk row r's 4 consecutive weights (4c .. 4c + 3). Before,
 // Q8_0 matrices (the default model's tied LM head: 12-16% of its 64-row decode step) took int16 x at ~550
@@ -193,12 +193,7 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
                  int64_t out_stride) {
   static_assert((Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) ||
                  L == Layout::kQ8) && Traits<L>::kScaleWeights == kBlock);
-  Int8Split split = split_for_int8(x, M, w.K);
-  if constexpr (L == Layout::kQ8) {  // x + 128, VPDPBUSD's unsigned operand (group_pass_q8)
-    parallel_chunks(static_cast<int64_t>(split.rows.codes.size()), 1 << 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) split.rows.codes[i] = static_cast<int8_t>(split.rows.codes[i] ^ 0x80);
-    });
-  }
+  const Int8Split split = split_for_int8<L == Layout::kQ8>(x, M, w.K);  // Q8_0's x + 128 (group_pass_q8)
   const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
   // Runs of consecutive groups in guided shares (about 16 a call, as the int16 path's), so that each thread
@@ -426,7 +421,7 @@ bool has_int8_rows(Layout layout) {
 
 template <typename In>
 void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                           float* out, int64_t out_stride) {
+                      float* out, int64_t out_stride) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
 #if defined(__AVX2__)
   switch (layout) {
