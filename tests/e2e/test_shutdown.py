@@ -50,7 +50,9 @@ def start_stream(server, max_tokens: int):
 def new_request_status(server) -> str:
     try:
         return str(httpx.get(f"{server.base_url}/health", timeout=5).status_code)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
+        # RemoteProtocolError: the kernel took the connection into the listening socket's backlog just as
+        # uvicorn stopped serving, and uvicorn closed it unanswered. Not served either: refused.
         return "refused"
 
 
