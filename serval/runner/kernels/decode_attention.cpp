@@ -29,7 +29,7 @@ struct Context {
   int64_t len;
   int64_t skip;  // leading tokens of rows the query does not see (before a window's first key, same tile)
   float scale;
-  const int64_t* next_rows = nullptr;  // the first K rows of the task this thread takes next, to ask for early
+  const int64_t* next_rows = nullptr;  // the K rows of the task this thread takes next, to ask for early
   int64_t next_len = 0;
 };
 
@@ -65,6 +65,14 @@ inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, in
   }
 }
 
+// Tasks a thread takes at a time, so that it knows the next one and asks for its keys during this one: its
+// first kNextAsked rows as the softmax ends, the rest one a V row, so that the reads go on through both
+// passes (the V rows are asked for in the first). Before, each task began on a stall for its first keys: 64
+// sequences of 192 tokens, 30 layers, 2 threads (AMD family 26, K/V from memory, alternating builds):
+// 13.2-13.9 -> 12.0-12.7 ms with the first 16 asked for, 12.3-13.5 -> 11.3-11.7 with all of them (the next
+// task's rows found once, then swapped in); runs of 12 or 16 were no better than 4.
+constexpr int64_t kTaskRun = 4, kNextAsked = 16;
+
 // The lanes of the tile at t0 that the query sees (from c.skip to c.len), `outside` elsewhere.
 inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec outside) {
   return visible_lanes(c.skip, c.len - 1, t0 / simd::kWidth, a, outside);
@@ -80,15 +88,19 @@ constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 8;
 
 // One sweep of the V pass over NH heads of a group and one chunk of CB output vectors: each V row is read and
 // widened once for all NH heads. out_h = sum_t p_h,t v_t * inv_h, the tokens in order, as one head alone sums.
-template <typename T, int CB, int NH>
+// On the first sweep (`ask_ahead`), each V row read asks for one of the next task's K rows of D values (past
+// those asked for already), so that the memory reads go on evenly through both passes.
+template <typename T, int CB, int NH, int D>
 void weigh_values(const T* v_cache, const Context& c, const float* const* weights, const float* inv, int c0,
-                  float* const* outs) {
+                  float* const* outs, const T* k_cache, bool ask_ahead) {
   using simd::Vec;
   constexpr int W = simd::kWidth;
   Vec acc[NH][CB];
   for (int h = 0; h < NH; ++h)
     for (int i = 0; i < CB; ++i) acc[h][i] = simd::zero();
+  const int64_t ask_from = kNextAsked - c.skip, ask_end = ask_ahead ? c.next_len : 0;
   for (int64_t t = c.skip; t < c.len; ++t) {
+    if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1);
     const T* v = v_cache + c.rows[t] + W * c0;
     Vec row[CB];
     for (int i = 0; i < CB; ++i) row[i] = simd::load(v + W * i);
@@ -101,6 +113,8 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
     const Vec scale = simd::set1(inv[h]);
     for (int i = 0; i < CB; ++i) simd::store(outs[h] + W * (c0 + i), simd::mul(acc[h][i], scale));
   }
+  // A next task longer than this one: the rest of its rows.
+  if (ask_ahead) prefetch_rows<T, D>(k_cache, c.next_rows, std::max(c.len + ask_from, kNextAsked), c.next_len);
 }
 
 // The G query heads that share one kv head (GQA; MLA's absorbed heads all share its one latent "head"), over one
@@ -149,8 +163,8 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
     inv[h] = 1.0f / (simd::reduce_add(vsum) + std::exp(sinks[h] - m_scalar));
   }
   // The next task's first keys, asked for now (its V pass still to run here), so that it does not start on
-  // a stall.
-  prefetch_rows<T, D>(k_cache, c.next_rows, 0, c.next_len);
+  // a stall; the V pass asks for the rest.
+  prefetch_rows<T, D>(k_cache, c.next_rows, 0, std::min(c.next_len, kNextAsked));
   // Pass 2: out_h = sum_t p_h,t v_t / sum_t p_h,t, up to NH heads a sweep over the V rows.
   constexpr int CV = DV / W, CB = value_chunk(CV), NH = std::max(1, kValueAccumulators / CB);
   static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
@@ -164,27 +178,24 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
     }
     for (int c0 = 0; c0 < CV; c0 += CB) {
       with_row_count<NH>(heads, [&](auto n) {
-        weigh_values<T, CB, decltype(n)::value>(v_cache, c, weights, inv + h0, c0, outs);
+        weigh_values<T, CB, decltype(n)::value, D>(v_cache, c, weights, inv + h0, c0, outs, k_cache, h0 == 0 && c0 == 0);
       });
     }
   }
 }
 
-// Tasks a thread takes at a time, so that it knows the next one and asks for its first kNextRows keys during
-// this one's V pass. Before, each task began on a stall for its first keys: 64 sequences of 192 tokens, 30
-// layers, 2 threads (AMD family 26, K/V from memory, alternating builds): 13.2-13.9 -> 12.0-12.7 ms; runs of
-// 12 were no better than 4.
-constexpr int64_t kTaskRun = 4, kNextRows = 16;
 
 // A thread's buffers for its (sequence, kv head) tasks: the group's queries and outputs in fp32, its scores
-// (whole tiles a head), a tile of widened keys, the plain path's row, the sinks, the softmax's 1 / sums and
-// the visible tokens' row offsets. Sized on a thread's first task; later tasks reuse them.
+// (whole tiles a head), a tile of widened keys, the plain path's row, the sinks, the softmax's 1 / sums, the
+// visible tokens' row offsets, and those of the task it takes next (found during this one, then swapped in).
+// Sized on a thread's first task; later tasks reuse them.
 struct Scratch {
   std::vector<float> qf, acc, keys, row, scores, group_sinks, inv;
   std::vector<int64_t> rows, next_rows;
+  int64_t next_task = -1;  // whose rows next_rows holds
   void size_for(int64_t group, int64_t head_dim, int64_t value_dim) {
     qf.resize(group * head_dim), acc.resize(group * value_dim), keys.resize(simd::kWidth * head_dim);
-    row.resize(head_dim), group_sinks.resize(group), inv.resize(group), next_rows.resize(kNextRows);
+    row.resize(head_dim), group_sinks.resize(group), inv.resize(group);
   }
 };
 
@@ -228,12 +239,6 @@ void decode_attention_impl(
   const auto first_row = [&](int64_t seq) { return visible_from(seq) / simd::kWidth * simd::kWidth; };
   parallel_task_runs<Scratch>(num_seqs * num_kv_heads, kTaskRun, [&](int64_t task, int64_t next, Scratch& scratch) {
     scratch.size_for(group, head_dim, value_dim);
-    int64_t next_len = 0;
-    if (next >= 0) {
-      const int64_t next_seq = next / num_kv_heads, next_first = first_row(next_seq);
-      next_len = std::min<int64_t>(lens[next_seq] - next_first, kNextRows);
-      fill_rows(next_seq, next % num_kv_heads, next_first, next_first + next_len, scratch.next_rows.data());
-    }
     std::vector<float> &qf = scratch.qf, &acc = scratch.acc, &keys = scratch.keys, &row = scratch.row;
     std::vector<float> &scores = scratch.scores, &group_sinks = scratch.group_sinks, &inv = scratch.inv;
     std::vector<int64_t>& rows = scratch.rows;
@@ -242,8 +247,20 @@ void decode_attention_impl(
     const int64_t len = context_len - first;
     const int64_t stride = len + simd::kWidth;  // whole tiles
     scores.resize(group * stride);
-    rows.resize(len);
-    fill_rows(seq, kv_head, first, context_len, rows.data());
+    if (scratch.next_task == task) {
+      rows.swap(scratch.next_rows);  // found during the task before
+    } else {
+      rows.resize(len);
+      fill_rows(seq, kv_head, first, context_len, rows.data());
+    }
+    int64_t next_len = 0;
+    scratch.next_task = next;
+    if (next >= 0) {
+      const int64_t next_seq = next / num_kv_heads, next_first = first_row(next_seq);
+      next_len = lens[next_seq] - next_first;
+      scratch.next_rows.resize(next_len);
+      fill_rows(next_seq, next % num_kv_heads, next_first, lens[next_seq], scratch.next_rows.data());
+    }
     const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
     for (int64_t g = 0; g < group; ++g) {
       load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);

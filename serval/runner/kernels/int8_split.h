@@ -43,30 +43,37 @@ Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
                              std::vector<float>(M * num_blocks)};
   std::vector<std::vector<Outlier>> row_outliers(M);
   parallel_chunks(M, std::max<int64_t>(1, kQuantizeGrain / num_blocks), [&](int64_t begin, int64_t end) {
+    constexpr int W = simd::kWidth, V = kBlock / W;
     alignas(64) float xb[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       const In* row = x + r * K;
       simd::Vec squares_v = simd::zero();
-      for (int64_t k = 0; k < K; k += simd::kWidth) {
+      for (int64_t k = 0; k < K; k += W) {
         const simd::Vec v = simd::load(row + k);
         squares_v = simd::fmadd(v, v, squares_v);
       }
       const float bound = kOutlierRatio * kOutlierRatio * simd::reduce_add(squares_v) / static_cast<float>(K);
+      const simd::Vec bound_v = simd::set1(bound);
       for (int64_t s = 0; s < num_blocks; ++s) {
-        load_row(row + s * kBlock, xb, kBlock);
+        simd::Vec v[V];
         bool any = false;
-        for (int64_t j = 0; j < kBlock; ++j) any |= xb[j] * xb[j] > bound;
-        if (any) {
+        for (int i = 0; i < V; ++i) {
+          v[i] = simd::load(row + s * kBlock + W * i);
+          any |= simd::any_greater(simd::mul(v[i], v[i]), bound_v);
+        }
+        if (any) {  // rare: a few values a matmul
+          for (int i = 0; i < V; ++i) simd::store(xb + W * i, v[i]);
           for (int64_t j = 0; j < kBlock; ++j) {
             if (xb[j] * xb[j] > bound) {
               row_outliers[r].push_back({s * kBlock + j, r, xb[j]});
               xb[j] = 0.0f;
             }
           }
+          for (int i = 0; i < V; ++i) v[i] = simd::load(xb + W * i);
         }
         const int64_t i = r * num_blocks + s;
         int8_t* codes = rows.codes.data() + i * kBlock;
-        quantize_block(xb, codes, &rows.scales[i], &rows.sums[i]);
+        quantize_block(v, codes, &rows.scales[i], &rows.sums[i]);
         if constexpr (kPlus128)
           for (int64_t j = 0; j < kBlock; ++j) codes[j] = static_cast<int8_t>(codes[j] ^ 0x80);
       }

@@ -47,6 +47,16 @@ inline Vec first_lanes(int64_t count, Vec a, Vec b) {
 }
 inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT)}; }
 inline Vec times_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+// Whether any lane of a is greater than b's (false for NaN lanes, as the scalar a > b).
+inline bool any_greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }
+// Lanes holding whole numbers within Code's range (int8_t or int16_t) stored as Code; returns their sum.
+template <typename Code>
+inline int32_t store_whole(Vec a, Code* p) {
+  const __m512i i = _mm512_cvtps_epi32(a.v);
+  if constexpr (sizeof(Code) == 1) _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(i));
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(i));
+  return _mm512_reduce_add_epi32(i);
+}
 
 // Lane i of the result is the sum of the lanes of v[i]: 16 horizontal sums in 45 shuffles and adds
 // instead of 16 separate reductions.
@@ -102,6 +112,15 @@ inline Vec first_lanes(int64_t count, Vec a, Vec b) {
   return {_mm256_blendv_ps(b.v, a.v, take)};
 }
 inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline bool any_greater(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
+template <typename Code>
+inline int32_t store_whole(Vec a, Code* p) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(a.v));
+  int32_t sum = 0;
+  for (int i = 0; i < 8; ++i) sum += p[i] = static_cast<Code>(lanes[i]);
+  return sum;
+}
 // a * 2^n for integral n in [-126, 127]: n goes straight into the exponent bits.
 inline Vec times_pow2(Vec a, Vec n) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
@@ -160,6 +179,17 @@ inline float reduce_max(Vec a) {
   float m = a.v[0];
   for (float x : a.v) m = x > m ? x : m;
   return m;
+}
+inline bool any_greater(Vec a, Vec b) {
+  bool any = false;
+  for (int i = 0; i < 8; ++i) any |= a.v[i] > b.v[i];
+  return any;
+}
+template <typename Code>
+inline int32_t store_whole(Vec a, Code* p) {
+  int32_t sum = 0;
+  for (int i = 0; i < 8; ++i) sum += p[i] = static_cast<Code>(a.v[i]);
+  return sum;
 }
 #endif
 
