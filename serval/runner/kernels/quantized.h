@@ -305,11 +305,33 @@ QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
 // twice the products an instruction, where this build has it for the layout (4-bit codes; VPDPBUSD, or AVX2's
 // VPMADDUBSW). The default at every row count; --batch-activations float32 turns it off.
 bool has_int8_rows(Layout layout);
+// Where a bf16 model's matmul also puts its result: (M, N) bf16, each group's columns converted by the thread
+// that computed them as soon as they are complete, while they are in its L1 (a separate pass over out took
+// 1.3-1.8% of a 64-row decode step, and a fork and join of the threads per matmul). data null: none.
+struct Bf16Output {
+  at::BFloat16* data = nullptr;
+  int64_t N = 0;
+};
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
-                      int64_t out_stride);
+                      int64_t out_stride, Bf16Output bf16 = {});
 // bf16 x (a bf16 model's activations) read as they are, widened a block at a time.
 void matmul_int8_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride);
+                      float* out, int64_t out_stride, Bf16Output bf16 = {});
+
+// Group G's 16 columns of out's M rows (fewer at the padded end) to bf16.data, rounded as c10 rounds.
+inline void store_group_bf16(const float* out, int64_t out_stride, int64_t M, int64_t G, Bf16Output bf16) {
+  if (bf16.data == nullptr) return;
+  const int64_t first = G * kGroup, columns = std::min<int64_t>(kGroup, bf16.N - first);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* src = out + r * out_stride + first;
+    at::BFloat16* dst = bf16.data + r * bf16.N + first;
+    if (columns == kGroup) {
+      for (int v = 0; v < kGroup; v += simd::kWidth) simd::store_bf16(dst + v, simd::load(src + v));
+    } else {
+      for (int64_t n = 0; n < columns; ++n) dst[n] = static_cast<at::BFloat16>(src[n]);
+    }
+  }
+}
 
 // Whether a tensor holds values (an absent offsets or super-scales tensor is empty or undefined).
 bool present(const at::Tensor& t);

@@ -190,7 +190,7 @@ GroupPass group_pass_for(int64_t rows) {
 
 template <Layout L, typename In>
 void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
-                 int64_t out_stride) {
+                 int64_t out_stride, Bf16Output bf16) {
   static_assert((Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) ||
                  L == Layout::kQ8) && Traits<L>::kScaleWeights == kBlock);
   const Int8Split split = split_for_int8<L == Layout::kQ8>(x, M, w.K);  // Q8_0's x + 128 (group_pass_q8)
@@ -203,6 +203,7 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
     for (int64_t G = begin; G < end; ++G) {
       for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
       add_outlier_products<L>(w, G, split.outliers, out, out_stride);
+      store_group_bf16(out, out_stride, M, G, bf16);
     }
   });
 }
@@ -360,7 +361,7 @@ GroupFewRows group_few_rows_for(int64_t rows) {
 
 template <Layout L, typename In>
 void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
-                 int64_t out_stride) {
+                 int64_t out_stride, Bf16Output bf16) {
   static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
                 Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
@@ -380,6 +381,7 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
         for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass)
           (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, out, out_stride);
         add_outlier_products<L>(w, G, split.outliers, out, out_stride);
+        store_group_bf16(out, out_stride, M, G, bf16);
       }
     }, few ? Schedule::kGuided : Schedule::kDynamic);
     return;
@@ -398,6 +400,7 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
       for (int64_t r = 0; r < M; ++r)
         std::memcpy(out + r * out_stride + G * kGroup, acc.data() + r * kGroup, kGroup * sizeof(float));
       add_outlier_products<L>(w, G, split.outliers, out, out_stride);
+      store_group_bf16(out, out_stride, M, G, bf16);
     }
   }, Schedule::kDynamic);
 }
@@ -421,32 +424,32 @@ bool has_int8_rows(Layout layout) {
 
 template <typename In>
 void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride) {
+                      float* out, int64_t out_stride, Bf16Output bf16) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
 #if defined(__AVX2__)
   switch (layout) {
-    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride); break;
-    case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride, bf16); break;
+    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride, bf16); break;
+    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride, bf16); break;
+    case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride, bf16); break;
 #if defined(__AVX512VNNI__)
-    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride); break;
+    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride, bf16); break;
 #endif
     default: break;
   }
 #else
-  (void)x, (void)M, (void)w, (void)num_groups, (void)out, (void)out_stride;
+  (void)x, (void)M, (void)w, (void)num_groups, (void)out, (void)out_stride, (void)bf16;
 #endif
 }
 
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride) {
-  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride);
+                      float* out, int64_t out_stride, Bf16Output bf16) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, bf16);
 }
 
 void matmul_int8_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride) {
-  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride);
+                      float* out, int64_t out_stride, Bf16Output bf16) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, bf16);
 }
 
 }  // namespace serval_kernels::quantized

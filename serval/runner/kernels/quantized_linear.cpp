@@ -332,7 +332,9 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
         std::memcpy(y.data_ptr<float>() + m * N, src + m * padded, N * sizeof(float));
       } else {
         at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
-        for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
+        int64_t n = 0;
+        for (; n + simd::kWidth <= N; n += simd::kWidth) simd::store_bf16(dst + n, simd::load(src + m * padded + n));
+        for (; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
       }
     }
   });
@@ -373,8 +375,14 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (int8_rows) {
-    if (xf.scalar_type() == at::kFloat) matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
-    else matmul_int8_rows(xf.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
+    if (xf.scalar_type() == at::kFloat) {
+      matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+    } else {  // bf16 x: a bf16 result, each group's converted as it completes
+      auto y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+      matmul_int8_rows(xf.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1),
+                       {y.data_ptr<at::BFloat16>(), N});
+      return y;
+    }
   } else {
     TORCH_CHECK(xf.scalar_type() == at::kFloat || xf.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
     const Int16Rows xq = xf.scalar_type() == at::kFloat

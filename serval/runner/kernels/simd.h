@@ -49,6 +49,14 @@ inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_T
 inline Vec times_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 // Whether any lane of a is greater than b's (false for NaN lanes, as the scalar a > b).
 inline bool any_greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }
+// The lanes rounded to bf16 as c10's float -> BFloat16 rounds them (to nearest even; NaN: 0x7FC0), to p.
+inline void store_bf16(at::BFloat16* p, Vec a) {
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
 // Lanes holding whole numbers within Code's range (int8_t or int16_t) stored as Code; returns their sum.
 template <typename Code>
 inline int32_t store_whole(Vec a, Code* p) {
@@ -113,6 +121,14 @@ inline Vec first_lanes(int64_t count, Vec a, Vec b) {
 }
 inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline bool any_greater(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
+inline void store_bf16(at::BFloat16* p, Vec a) {
+  const __m256i u = _mm256_castps_si256(a.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // values <= 0xFFFF: exact
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 template <typename Code>
 inline int32_t store_whole(Vec a, Code* p) {
   alignas(32) int32_t lanes[8];
@@ -179,6 +195,9 @@ inline float reduce_max(Vec a) {
   float m = a.v[0];
   for (float x : a.v) m = x > m ? x : m;
   return m;
+}
+inline void store_bf16(at::BFloat16* p, Vec a) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(a.v[i]);
 }
 inline bool any_greater(Vec a, Vec b) {
   bool any = false;
