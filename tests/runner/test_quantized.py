@@ -245,6 +245,27 @@ def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8)
             assert torch.equal(packed.matmul(kernel, rows[:count]), alone[:count]), (dtype, count)
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_a_bf16_result_is_the_fp32_result_rounded_as_torch_rounds(kernels, qtype):
+    """bf16 x gives a bf16 result, which the int8 path writes group by group as each completes (not through
+    a second pass): it must be torch's rounding of what fp32 x of the same values gives, bit for bit, in the
+    padded last group too (N = 40: 2.5 groups), for large, tiny, infinite and NaN results alike."""
+    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    raw, _ = _file_matrix(qtype, 40, cols, seed=5)
+    packed = pack_block_codes(block_codes(raw, qtype, (40, cols)))
+    torch.manual_seed(5)
+    x = (torch.randn(19, cols) * 3).bfloat16()
+    x[2] *= 1e-30  # results near the bottom of bf16's range
+    x[3, 7] = 3e38  # infinite results
+    x[4, 9] = float("nan")
+    for int8 in (False, True):
+        kernel = quantized_matmul(kernels, int8_batch_activations=int8)
+        got = packed.matmul(kernel, x)
+        want = packed.matmul(kernel, x.float()).bfloat16()
+        same_bits = got.view(torch.int16) == want.view(torch.int16)
+        assert got.dtype == torch.bfloat16 and (same_bits | got.isnan() & want.isnan()).all(), int8  # any NaN
+
+
 @pytest.mark.parametrize(
     "qtype",
     [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],
