@@ -307,7 +307,8 @@ QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
 bool has_int8_rows(Layout layout);
 // Where a bf16 model's matmul also puts its result: (M, N) bf16, each group's columns converted by the thread
 // that computed them as soon as they are complete, while they are in its L1 (a separate pass over out took
-// 1.3-1.8% of a 64-row decode step, and a fork and join of the threads per matmul). data null: none.
+// 1.3-1.8% of a 64-row decode step, and a fork and join of the threads per matmul; quantized_linear.cpp
+// keeps that pass for results too large for this). data null: none.
 struct Bf16Output {
   at::BFloat16* data = nullptr;
   int64_t N = 0;

@@ -343,6 +343,11 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
 
 }  // namespace
 
+// Results up to this size (bf16 bytes) are converted group by group as the int8 path completes them, while the
+// group is in L1; past it (the LM head's 64 x 49152: 6 MB) each group's 16 values a row land on M lines far
+// apart, which cost more in write misses than unpadded's row-by-row pass (`perf`, 64-row decode step).
+constexpr int64_t kGroupwiseBf16Bytes = 1 << 20;
+
 // x: (M, K) bf16 or fp32. Returns (M, N) in x's dtype; N = the unpadded output width. Every row count goes
 // through the integer dot products above, each row computed alike whatever M.
 // int8_batch_activations: x is rounded to int8 per block (as llama.cpp does: faster, not exact) and goes through
@@ -375,14 +380,13 @@ at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
   if (M == 0) {
     // nothing to compute (a step that samples no token asks for no logits)
   } else if (int8_rows) {
-    if (xf.scalar_type() == at::kFloat) {
-      matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
-    } else {  // bf16 x: a bf16 result, each group's converted as it completes
-      auto y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-      matmul_int8_rows(xf.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1),
-                       {y.data_ptr<at::BFloat16>(), N});
-      return y;
-    }
+    // bf16 x: a bf16 result, each group's converted as it completes where the result is small enough.
+    const bool groupwise = xf.scalar_type() == at::kBFloat16 && M * N * 2 <= kGroupwiseBf16Bytes;
+    const auto y = groupwise ? at::empty({M, N}, x.options().dtype(at::kBFloat16)) : at::Tensor();
+    const Bf16Output bf16 = groupwise ? Bf16Output{y.data_ptr<at::BFloat16>(), N} : Bf16Output{};
+    if (xf.scalar_type() == at::kFloat) matmul_int8_rows(xf.data_ptr<float>(), M, w, layout, num_groups, op, out.size(1));
+    else matmul_int8_rows(xf.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1), bf16);
+    if (groupwise) return y;
   } else {
     TORCH_CHECK(xf.scalar_type() == at::kFloat || xf.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
     const Int16Rows xq = xf.scalar_type() == at::kFloat

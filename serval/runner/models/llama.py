@@ -21,6 +21,7 @@ from serval.runner.layers import (
     RMSNorm,
     RopeTables,
     RotaryEmbedding,
+    packed_logits,
     rope_attention_factor,
     rope_inverse_frequencies,
     small_batch_linear,
@@ -198,18 +199,17 @@ class LlamaForCausalLM(nn.Module):
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # (num_rows, vocab_size) float32
         x = self.norm(self.run_layers(x, rope, kv_caches, meta, lora)[logit_rows])
-        if self.lm_head is not None:
-            return self.lm_head(x).float()
+        head = self.lm_head
+        if head is not None:
+            logits = packed_logits(x, head.packed, head.quantized_kernel, head.max_quantized_rows, head.bias)
+            return head(x).float() if logits is None else logits
         weight = self.embed_tokens.weight
-        logits = small_batch_linear(
-            x,
-            weight,
-            self.tied_head_kernel,
-            self.packed_tied_head,
-            self.tied_head_quantized_kernel,
-            self.tied_head_max_quantized_rows,
-            self.tied_head_dense_kernel,
-        )
+        packed = self.packed_tied_head, self.tied_head_quantized_kernel, self.tied_head_max_quantized_rows
+        logits = packed_logits(x, *packed)
+        if logits is None:
+            logits = small_batch_linear(
+                x, weight, self.tied_head_kernel, *packed, self.tied_head_dense_kernel
+            )
         return (x @ weight.t() if logits is None else logits).float()
 
     def run_layers(
