@@ -81,7 +81,7 @@ class ModelRunner:
         self.single_sequence_threads = model_config.single_sequence_threads or self.num_threads
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, None if kernels is None else kernels.argmax_rows)
 
     def _attach_kernels(self, kernels, model_config: ModelConfig) -> str:
         """Put the loaded model on the native kernels (if any); the batch activations in effect: "int8" or

@@ -54,6 +54,27 @@ def test_rms_norm_and_silu_mul_match_pytorch(kernels, dtype):
     assert (mlp(h).float() - expected.float()).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
 
 
+def test_a_row_is_normed_alike_alone_and_among_others(kernels):
+    """The norm's rows are split over the threads and each row's sum of squares goes in vector lanes: a
+    row's bits must not depend on how many rows share the call (batch invariance)."""
+    torch.manual_seed(1)
+    x = torch.randn(70, 576) * 20
+    weight = torch.randn(576).bfloat16()
+    together = kernels.rms_norm(x, weight, 1e-5)
+    alone = torch.cat([kernels.rms_norm(x[r : r + 1], weight, 1e-5) for r in range(len(x))])
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 7), (5, 33)])
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(kernels, shape):
+    torch.manual_seed(shape[1])
+    x = torch.randn(*shape)
+    x[0, 3] = x[0, 5] = x[0].max() + 1  # equal maxima: the first
+    x[1, 4] = x[1, 2] = float("nan")  # a NaN counts as the largest: the first NaN
+    x[2].fill_(-float("inf"))
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))
+
+
 def test_bf16_model_logits_agree_with_and_without_the_kernels(tiny_model_factory, kernels, monkeypatch):
     monkeypatch.setenv("SERVAL_KERNEL_VARIANT", kernels.variant)
     directory, _ = tiny_model_factory("qwen2", False)

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Which instruction-set variant this build is (kernels/__init__.py compiles one module per variant).
   m.attr("variant") = SERVAL_STRINGIFY(SERVAL_VARIANT);
   m.def("rms_norm", &rms_norm, "RMSNorm in fp32, output in the weight's dtype", release());
+  m.def("argmax_rows", &argmax_rows, "each row's torch.argmax of (rows, n) fp32", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
   // window 0: every query sees its whole context; sinks empty: no sink logits. value_dim 0: head_dim; less:

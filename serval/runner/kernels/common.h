@@ -169,6 +169,7 @@ void paged_prefill_attention(
     at::Tensor out, int64_t window, at::Tensor sinks);
 at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor argmax_rows(at::Tensor x);
 at::Tensor silu_mul(at::Tensor gate_up);
 void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,

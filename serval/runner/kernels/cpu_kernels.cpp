@@ -1,4 +1,5 @@
-// The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, SwiGLU's silu * up, in-place RoPE.
+// The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, a row-wise argmax, SwiGLU's silu * up,
+// in-place RoPE.
 #include "common.h"
 
 using namespace serval_kernels;
@@ -112,6 +113,42 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   else if (in == at::kFloat && w == at::kFloat) rms_norm_impl<float, float>(xc, wc, eps, out);
   else if (in == at::kBFloat16 && w == at::kBFloat16) rms_norm_impl<at::BFloat16, at::BFloat16>(xc, wc, eps, out);
   else TORCH_CHECK(false, "rms_norm: unsupported dtypes");
+  return out;
+}
+
+// Each row's index of its largest value, as torch.argmax gives it: the first of equal maxima, and a NaN counts
+// as the largest (the first NaN). torch's index reduction took 0.87 ms over a 64 x 49152 decode step's logits
+// (2 threads), its max alone 0.08: here a vector max (NaN lanes found with it), then the first index that
+// holds it.
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: (rows, n) fp32");
+  auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1), vector_end = n / simd::kWidth * simd::kWidth;
+  TORCH_CHECK(n > 0, "argmax of an empty row");
+  auto out = at::empty({rows}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_chunks(rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      simd::Vec largest = simd::set1(-INFINITY);
+      bool nan = false;
+      for (int64_t i = 0; i < vector_end; i += simd::kWidth) {
+        const simd::Vec v = simd::load(row + i);
+        nan |= simd::any_nan(v);
+        largest = simd::max(largest, v);
+      }
+      float m = simd::reduce_max(largest);
+      for (int64_t i = vector_end; i < n; ++i) nan |= simd::is_nan(row[i]), m = std::max(m, row[i]);
+      int64_t at = 0;
+      if (nan) {
+        while (!simd::is_nan(row[at])) ++at;
+      } else {
+        while (at + 1 < n && row[at] != m) ++at;  // bounded: m is one of the row's values
+      }
+      op[r] = at;
+    }
+  });
   return out;
 }
 

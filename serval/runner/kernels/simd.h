@@ -17,6 +17,14 @@
 
 namespace serval_kernels::simd {
 
+// Whether x is a NaN, from its bits: the kernels build with -ffast-math, under which std::isnan and x != x may
+// be folded to false.
+inline bool is_nan(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
 #if defined(__AVX512F__)
 constexpr int kWidth = 16;
 struct Vec { __m512 v; };
@@ -49,6 +57,7 @@ inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_T
 inline Vec times_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 // Whether any lane of a is greater than b's (false for NaN lanes, as the scalar a > b).
 inline bool any_greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }
+inline bool any_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q) != 0; }
 // The lanes rounded to bf16 as c10's float -> BFloat16 rounds them (to nearest even; NaN: 0x7FC0), to p.
 inline void store_bf16(at::BFloat16* p, Vec a) {
   const __m512i u = _mm512_castps_si512(a.v);
@@ -121,6 +130,7 @@ inline Vec first_lanes(int64_t count, Vec a, Vec b) {
 }
 inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline bool any_greater(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
+inline bool any_nan(Vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)) != 0; }
 inline void store_bf16(at::BFloat16* p, Vec a) {
   const __m256i u = _mm256_castps_si256(a.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -198,6 +208,11 @@ inline float reduce_max(Vec a) {
 }
 inline void store_bf16(at::BFloat16* p, Vec a) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(a.v[i]);
+}
+inline bool any_nan(Vec a) {
+  bool any = false;
+  for (int i = 0; i < 8; ++i) any |= is_nan(a.v[i]);
+  return any;
 }
 inline bool any_greater(Vec a, Vec b) {
   bool any = false;
