@@ -55,6 +55,7 @@ SOURCES = [
         "xeon-avx2",
         "2026-12-04c-xeon-avx2-held-smollm2-135m-Q4_1-serval-vs-llama-server.jsonl",
     ),
+    ("135M Q4_1\n(default)", "fam26", "2026-12-06j-zen5-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "zen2", "2026-12-02-avx2-llama-3.2-1b-Q4_0-round2-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "zen4", "2026-12-04b-avx512-llama-3.2-1b-Q4_0-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "xeon", "2026-12-04c-xeon-avx512-llama-3.2-1b-Q4_0-serval-vs-llama-server.jsonl"),
