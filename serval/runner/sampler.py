@@ -34,8 +34,7 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         logits = _apply_allowed_masks(self._apply_bans(logits, rows), logits, rows)
 
-        cpu_argmax = self.argmax_rows is not None and logits.device.type == "cpu"
-        greedy_ids = self.argmax_rows(logits) if cpu_argmax else logits.argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1) if self.argmax_rows is None else self.argmax_rows(logits)
         # Decided from the rows on the host: on a GPU, a test of a device tensor would wait for the step.
         if all(r.temperature == 0.0 for r in rows):
             token_ids = greedy_ids

@@ -31,12 +31,14 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// a . b in vector lanes, then across them, then the tail: a fixed order for a given n. a and b: fp32 or bf16.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
   simd::Vec acc = simd::zero();
   int64_t i = 0;
   for (; i + simd::kWidth <= n; i += simd::kWidth) acc = simd::fmadd(simd::load(a + i), simd::load(b + i), acc);
   float sum = simd::reduce_add(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
   return sum;
 }
 

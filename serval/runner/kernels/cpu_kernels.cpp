@@ -73,9 +73,6 @@ at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w) {
 // row's sum of squares goes in vector lanes, then across them: a fixed order per row whatever the row count
 // (batch invariance), and the rows are split over the threads. As one chunk of scalar loops (its grain was
 // 64 rows) a 64-row decode step's norms ran on one thread, the other waiting: 2.9% of the step (`perf`).
-inline void store_lanes(float* p, simd::Vec v) { simd::store(p, v); }
-inline void store_lanes(at::BFloat16* p, simd::Vec v) { simd::store_bf16(p, v); }
-
 template <typename In, typename Out>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   constexpr int W = simd::kWidth;
@@ -86,18 +83,12 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
   parallel_chunks(rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(dim, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const In* xr = xp + r * dim;
-      simd::Vec squares = simd::zero();
-      for (int64_t d = 0; d < vector_end; d += W) {
-        const simd::Vec v = simd::load(xr + d);
-        squares = simd::fmadd(v, v, squares);
-      }
-      float sum = simd::reduce_add(squares);
-      for (int64_t d = vector_end; d < dim; ++d) { const float v = to_float(xr[d]); sum += v * v; }
+      const float sum = dot(xr, xr, dim);
       const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
       Out* orow = op + r * dim;
       const simd::Vec scale_v = simd::set1(scale);
       for (int64_t d = 0; d < vector_end; d += W)
-        store_lanes(orow + d, simd::mul(simd::mul(simd::load(xr + d), scale_v), simd::load(wp + d)));
+        simd::store(orow + d, simd::mul(simd::mul(simd::load(xr + d), scale_v), simd::load(wp + d)));
       for (int64_t d = vector_end; d < dim; ++d) orow[d] = static_cast<Out>(to_float(xr[d]) * scale * to_float(wp[d]));
     }
   });

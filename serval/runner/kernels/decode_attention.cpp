@@ -184,7 +184,6 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
   }
 }
 
-
 // A thread's buffers for its (sequence, kv head) tasks: the group's queries and outputs in fp32, its scores
 // (whole tiles a head), a tile of widened keys, the plain path's row, the sinks, the softmax's 1 / sums, the
 // visible tokens' row offsets, and those of the task it takes next (found during this one, then swapped in).

@@ -47,12 +47,7 @@ Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
     alignas(64) float xb[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       const In* row = x + r * K;
-      simd::Vec squares_v = simd::zero();
-      for (int64_t k = 0; k < K; k += W) {
-        const simd::Vec v = simd::load(row + k);
-        squares_v = simd::fmadd(v, v, squares_v);
-      }
-      const float bound = kOutlierRatio * kOutlierRatio * simd::reduce_add(squares_v) / static_cast<float>(K);
+      const float bound = kOutlierRatio * kOutlierRatio * dot(row, row, K) / static_cast<float>(K);
       const simd::Vec bound_v = simd::set1(bound);
       for (int64_t s = 0; s < num_blocks; ++s) {
         simd::Vec v[V];

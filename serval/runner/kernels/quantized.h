@@ -327,7 +327,7 @@ inline void store_group_bf16(const float* out, int64_t out_stride, int64_t M, in
     const float* src = out + r * out_stride + first;
     at::BFloat16* dst = bf16.data + r * bf16.N + first;
     if (columns == kGroup) {
-      for (int v = 0; v < kGroup; v += simd::kWidth) simd::store_bf16(dst + v, simd::load(src + v));
+      for (int v = 0; v < kGroup; v += simd::kWidth) simd::store(dst + v, simd::load(src + v));
     } else {
       for (int64_t n = 0; n < columns; ++n) dst[n] = static_cast<at::BFloat16>(src[n]);
     }

@@ -333,7 +333,7 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
       } else {
         at::BFloat16* dst = y.data_ptr<at::BFloat16>() + m * N;
         int64_t n = 0;
-        for (; n + simd::kWidth <= N; n += simd::kWidth) simd::store_bf16(dst + n, simd::load(src + m * padded + n));
+        for (; n + simd::kWidth <= N; n += simd::kWidth) simd::store(dst + n, simd::load(src + m * padded + n));
         for (; n < N; ++n) dst[n] = static_cast<at::BFloat16>(src[m * padded + n]);
       }
     }

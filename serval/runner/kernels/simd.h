@@ -59,7 +59,7 @@ inline Vec times_pow2(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline bool any_greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }
 inline bool any_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q) != 0; }
 // The lanes rounded to bf16 as c10's float -> BFloat16 rounds them (to nearest even; NaN: 0x7FC0), to p.
-inline void store_bf16(at::BFloat16* p, Vec a) {
+inline void store(at::BFloat16* p, Vec a) {
   const __m512i u = _mm512_castps_si512(a.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -131,7 +131,7 @@ inline Vec first_lanes(int64_t count, Vec a, Vec b) {
 inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline bool any_greater(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
 inline bool any_nan(Vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)) != 0; }
-inline void store_bf16(at::BFloat16* p, Vec a) {
+inline void store(at::BFloat16* p, Vec a) {
   const __m256i u = _mm256_castps_si256(a.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
@@ -206,7 +206,7 @@ inline float reduce_max(Vec a) {
   for (float x : a.v) m = x > m ? x : m;
   return m;
 }
-inline void store_bf16(at::BFloat16* p, Vec a) {
+inline void store(at::BFloat16* p, Vec a) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(a.v[i]);
 }
 inline bool any_nan(Vec a) {
