@@ -16,9 +16,19 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kTileRows = 4, kTileCols = 6;  // 24 accumulators of 32 registers
+constexpr int kFewRows = 8;
 #else
 constexpr int kTileRows = 2, kTileCols = 4;  // 8 of 16
+constexpr int kFewRows = 4;
 #endif
+constexpr int kAccumulators = kTileRows * kTileCols;
+// Up to kFewRows rows of x (a speculative check's k + 1 rows, a few streams) go in one tile of fewer columns, so
+// that each widened vector of W serves every row, and each tile asks for the next tile's rows of W as it reads
+// its own: with a few rows of arithmetic a vector of W, the reads of W stalled, the hardware prefetchers not
+// keeping up with C rows read side by side. The 135M model's layers, bf16 x, 2 threads, AMD family 26, ms:
+// F16 W 1 row 6.5-6.9 -> 4.4-5.8, 5 rows 7.4-8.3 -> 5.4-5.7, 16 rows 16.5-17.9 -> 11.0-13.5; BF16 W 5 rows
+// 6.7-7.6 -> 4.9-5.9, 16 rows 11.9-12.5 -> 7.3-8.2; 64 and 256 rows within the noise.
+constexpr int tile_cols_for(int rows) { return std::max(1, std::min(kTileCols, kAccumulators / rows)); }
 constexpr int64_t kRowBlock = 64;  // rows of x sharing one pass over a block of W's rows (its block in L2)
 constexpr int64_t kDepth = 2048;  // elements of K per pass over a task's tiles (a multiple of every kStep)
 
@@ -68,6 +78,7 @@ void tile(const X* x, const W* w, int64_t K, int64_t k0, int64_t k1, bool first,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = first ? P::zero() : state[r * C + c];
   for (int64_t k = k0; k < k1; k += P::kStep) {
+    for (int c = 0; c < C; ++c) simd::prefetch(w + (c + C) * K + k);  // the next tile's W (see kFewRows)
     for (int r = 0; r < R; ++r) {
       for (int c = 0; c < C; ++c) acc[r][c] = P::add(acc[r][c], w + c * K + k, x + r * K + k);
     }
@@ -96,12 +107,12 @@ using Tile = void (*)(const X*, const W*, int64_t, int64_t, int64_t, bool, bool,
 
 template <typename X, typename W, int R>
 Tile<X, W> tile_for_cols(int64_t cols) {
-  return with_row_count<kTileCols>(cols, [](auto C) -> Tile<X, W> { return tile<X, W, R, C.value>; });
+  return with_row_count<tile_cols_for(R)>(cols, [](auto C) -> Tile<X, W> { return tile<X, W, R, C.value>; });
 }
 
 template <typename X, typename W>
 Tile<X, W> tile_for(int64_t rows, int64_t cols) {
-  return with_row_count<kTileRows>(rows, [cols](auto R) -> Tile<X, W> { return tile_for_cols<X, W, R.value>(cols); });
+  return with_row_count<kFewRows>(rows, [cols](auto R) -> Tile<X, W> { return tile_for_cols<X, W, R.value>(cols); });
 }
 
 // Every (row block, column block) of the output is one task, column blocks outermost so a thread's run of
@@ -113,7 +124,8 @@ Tile<X, W> tile_for(int64_t rows, int64_t cols) {
 template <typename X, typename W>
 void dense_matmul(const X* x, int64_t M, const W* w, int64_t N, int64_t K, float* out, int64_t heads = 1) {
   using P = Products<X, W>;
-  const int64_t col_block = (M <= kRowBlock ? 4 : 8) * kTileCols;
+  const int64_t tile_rows = M <= kFewRows ? M : kTileRows, tile_cols = tile_cols_for(tile_rows);
+  const int64_t col_block = (M <= kRowBlock ? 4 : 8) * kTileCols;  // a multiple of every tile_cols_for
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t col_blocks = (N + col_block - 1) / col_block;
   const int64_t whole = K - K % P::kStep;  // the rest: the zero-padded tail, in the last pass
@@ -131,13 +143,13 @@ void dense_matmul(const X* x, int64_t M, const W* w, int64_t N, int64_t K, float
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t k0 = pass * kDepth, k1 = std::min(whole, k0 + kDepth);
         auto* tile_state = state.data();
-        for (int64_t n = n0; n < n1; n += kTileCols) {
-          const int64_t cols = std::min<int64_t>(kTileCols, n1 - n);
-          for (int64_t m = m0; m < m1; m += kTileRows) {
-            const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
+        for (int64_t n = n0; n < n1; n += tile_cols) {
+          const int64_t cols = std::min<int64_t>(tile_cols, n1 - n);
+          for (int64_t m = m0; m < m1; m += tile_rows) {
+            const int64_t rows = std::min<int64_t>(tile_rows, m1 - m);
             tile_for<X, W>(rows, cols)(xh + m * K, wh + n * K, K, k0, k1, pass == 0, pass + 1 == passes,
                                        tile_state, oh + m * N + n, N);
-            tile_state += kTileRows * kTileCols;
+            tile_state += kAccumulators;
           }
         }
       }
@@ -145,9 +157,9 @@ void dense_matmul(const X* x, int64_t M, const W* w, int64_t N, int64_t K, float
   });
 }
 
-template <typename X>
-void dense_matmul_weights(const X* x, int64_t M, const at::Tensor& w, int64_t N, int64_t K, float* out,
-                          int64_t heads = 1) {
+// fp32 x against W of any dtype (W widened to fp32 a vector at a time).
+void dense_matmul_weights(const float* x, int64_t M, const at::Tensor& w, int64_t N, int64_t K, float* out,
+                          int64_t heads) {
   switch (w.scalar_type()) {
     case at::kFloat: return dense_matmul(x, M, w.data_ptr<float>(), N, K, out, heads);
     case at::kBFloat16: return dense_matmul(x, M, w.data_ptr<at::BFloat16>(), N, K, out, heads);
@@ -155,6 +167,12 @@ void dense_matmul_weights(const X* x, int64_t M, const at::Tensor& w, int64_t N,
     default: TORCH_CHECK(false, "dense_linear: weights must be float32, bfloat16 or float16");
   }
 }
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;  // bf16 x and W go through VDPBF16PS as they are
+#else
+constexpr bool kBf16Pairs = false;
+#endif
 
 }  // namespace
 
@@ -164,14 +182,17 @@ namespace {
 at::Tensor dense_linear_of_heads(const at::Tensor& x, const at::Tensor& w) {
   const int64_t heads = x.size(0), M = x.size(1), K = x.size(2), N = w.size(1);
   const auto wc = w.contiguous();
-  // x in the compute dtype: bf16 stays bf16 (its products with bf16 W are exact in fp32 or VDPBF16PS pairs);
-  // anything else is computed from fp32.
-  const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  const auto xc = bf16_x ? x.contiguous() : x.to(at::kFloat).contiguous();
+  // bf16 x with bf16 W stays bf16 where VDPBF16PS takes the pairs; otherwise x is widened to fp32 once here
+  // (exactly: the same products as widening it in every tile, which cost a conversion a vector of x a tile).
+  const bool bf16_pairs = kBf16Pairs && x.scalar_type() == at::kBFloat16 && wc.scalar_type() == at::kBFloat16;
+  const auto xc = bf16_pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto out = at::empty({heads, M, N}, xc.options().dtype(at::kFloat));
   if (heads > 0 && M > 0 && N > 0) {
-    if (bf16_x) dense_matmul_weights(xc.data_ptr<at::BFloat16>(), M, wc, N, K, out.data_ptr<float>(), heads);
-    else dense_matmul_weights(xc.data_ptr<float>(), M, wc, N, K, out.data_ptr<float>(), heads);
+    if (bf16_pairs) {
+      dense_matmul(xc.data_ptr<at::BFloat16>(), M, wc.data_ptr<at::BFloat16>(), N, K, out.data_ptr<float>(), heads);
+    } else {
+      dense_matmul_weights(xc.data_ptr<float>(), M, wc, N, K, out.data_ptr<float>(), heads);
+    }
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
