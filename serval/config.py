@@ -166,6 +166,12 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The most running sequences a step speculates with, by method, where the config does not say (measured on the
+# grounded workload, 2 cores: docs/speculative.md). n-gram drafts cost next to nothing to propose and paid up
+# to 16 sequences. A draft model costs ~40% of its target a token (the 135M Q4_1 copy drafting for its F16
+# file): 1.75x alone, but with two streams its drafting and its prompts' catching up left 0.87x the
+# throughput, 0.71x at 16.
+MAX_SPECULATING_SEQS = {"ngram": 16, "draft_model": 1}
 
 
 @dataclass(frozen=True)
@@ -187,8 +193,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: a smaller GGUF/HF model with the target's vocabulary
     # Speculation runs in a step only while at most this many sequences decode: past it the batch already
-    # keeps the machine busy and drafts cost more than they save (measured: docs/speculative.md).
-    max_num_seqs: int = 16
+    # keeps the machine busy and drafts cost more than they save. None: the method's measured default
+    # (MAX_SPECULATING_SEQS; docs/speculative.md).
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
@@ -207,7 +214,7 @@ class SpeculativeConfig:
             )
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("a draft model is given exactly when the method is draft_model")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if not isinstance(self.adaptive_draft_length, bool):
             # NOTE: ValueError, as every config check: the CLI and the config file turn it into their message.
@@ -217,6 +224,13 @@ class SpeculativeConfig:
     @property
     def is_enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def max_speculating_seqs(self) -> int:
+        """The most running sequences a step speculates with: max_num_seqs, or the method's default."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return MAX_SPECULATING_SEQS.get(self.method, 1)
 
     def describe(self) -> str:
         """What runs, in a few words: "off", "ngram (up to 4 drafts, n-grams of 2-8; ...)", "draft_model (4
@@ -229,7 +243,7 @@ class SpeculativeConfig:
             else self.model
         )
         drafts = f"{'up to ' if self.adaptive_draft_length else ''}{self.num_speculative_tokens} drafts"
-        return f"{self.method} ({drafts}, {source}; up to {self.max_num_seqs} sequences)"
+        return f"{self.method} ({drafts}, {source}; up to {self.max_speculating_seqs} sequences)"
 
     @classmethod
     def from_dict(cls, fields: object) -> SpeculativeConfig:

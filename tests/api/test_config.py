@@ -235,6 +235,12 @@ def test_speculative_config_from_the_flag_and_the_file(tmp_path):
         merged_options(build_parser().parse_args(["serve", "--config", write(tmp_path, data)]))
     )
     assert spec.speculative.model == str(tmp_path / "draft.gguf")
+    # The method's measured limit on speculating sequences, unless the config names one.
+    assert spec.speculative.max_speculating_seqs == 1 and "up to 1 sequences" in spec.speculative.describe()
+    assert engine_config(options).speculative.max_speculating_seqs == 16
+    flag = '{"method": "ngram", "max_num_seqs": 4}'
+    options = merged_options(build_parser().parse_args(["serve", "--speculative-config", flag]))
+    assert engine_config(options).speculative.max_speculating_seqs == 4
 
 
 @pytest.mark.parametrize(

@@ -112,3 +112,20 @@ def test_drafts_stay_unnamed_until_kept_and_rejected_ones_are_forgotten(drafted)
     assert sequence.token_ids[: len(request.token_ids)] == request.token_ids
     proposer.forget(request)
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_request_far_into_its_answer_is_not_taken_up(drafted):
+    """A stream that first asks for drafts long after its answer began (left alone at the end of a busy spell)
+    gets none: catching up its whole context would cost more than its last tokens can save."""
+    proposer = drafted.engine.speculator.proposer
+    request = Request("late", [100 + i for i in range(30)], SamplingParams(max_tokens=64), ())
+    request.token_ids.extend(range(200, 220))  # 20 tokens into its answer, unknown to the draft
+    proposer.prepare([(request, 4)])
+    assert proposer.propose(request, 4) == []
+    assert "late" not in proposer.sequences
+    early = Request("early", [100 + i for i in range(30)], SamplingParams(max_tokens=64), ())
+    early.token_ids.append(200)
+    proposer.prepare([(early, 4)])
+    assert len(proposer.propose(early, 4)) == 4
+    proposer.forget(early)
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

@@ -109,7 +109,11 @@ class DraftModelProposer:
 
     def _catch_up_room(self, request: Request) -> bool:
         """Keep what the draft's cache holds of the request's context (or find it in the prefix cache), and
-        find room for the rest."""
+        find room for the rest. The draft takes up a request only near its answer's start: taken up later (a
+        stream left alone at the end of a busy spell), catching up its whole context costs more than the few
+        tokens left to draft can save."""
+        if request.request_id not in self.sequences and request.num_output_tokens > MAX_CATCH_UP_ROWS:
+            return False
         sequence = self.sequences.setdefault(request.request_id, _DraftSequence())
         num_kept = 0
         for held, token_id in zip(sequence.token_ids, request.token_ids):

@@ -82,8 +82,9 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Give each decoding request that may speculate this step its drafts; clear everyone else's. Nobody
-        speculates in a step with more than config.max_num_seqs running: the batch keeps the machine busy."""
-        speculate = len(running) <= self.config.max_num_seqs
+        speculates in a step with more than config.max_speculating_seqs running: the batch keeps the machine
+        busy."""
+        speculate = len(running) <= self.config.max_speculating_seqs
         candidates: list[tuple[Request, int]] = []
         for request in running:
             if request.draft_token_ids:  # left by a step that did not schedule it
