@@ -42,7 +42,9 @@ def _draft_blocks(llm):
     return llm.engine.speculator.proposer.blocks
 
 
-def test_catching_up_goes_in_decode_rows_and_a_repeated_prompt_hits_the_draft_prefix_cache(drafted, draft_batches):
+def test_catching_up_goes_in_decode_rows_and_a_repeated_prompt_hits_the_draft_prefix_cache(
+    drafted, draft_batches
+):
     first = drafted.generate([COPY], GREEDY)[0]
     prompt_len = len(first.prompt_token_ids)
     # The first drafting step (after the target's first token) works through the prompt and that token in one

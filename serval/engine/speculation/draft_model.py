@@ -89,7 +89,11 @@ class DraftModelProposer:
         inputs = [r.token_ids[self.sequences[r.request_id].num_computed_tokens :] for r in active]
         for position in range(max(wanted.values())):
             if position > 0:  # each sequence's newest draft is the next input: a block for it, or it stops
-                room = [(r, i) for r, i in zip(active, inputs) if position < wanted[r.request_id] and self._room(r)]
+                room = [
+                    (r, i)
+                    for r, i in zip(active, inputs)
+                    if position < wanted[r.request_id] and self._room(r)
+                ]
                 if not room:
                     break
                 active, inputs = (list(column) for column in zip(*room))
