@@ -169,7 +169,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # The most running sequences a step speculates with, by method, where the config does not say (measured on the
 # grounded workload, 2 cores: docs/speculative.md). n-gram drafts cost next to nothing to propose and paid up
 # to 16 sequences. A draft model costs ~40% of its target a token (the 135M Q4_1 copy drafting for its F16
-# file): 1.75x alone, but with two streams its drafting and its prompts' catching up left 0.87x the
+# file): 1.5-1.7x alone, but with two streams its drafting and its prompts' catching up left 0.87x the
 # throughput, 0.71x at 16.
 MAX_SPECULATING_SEQS = {"ngram": 16, "draft_model": 1}
 

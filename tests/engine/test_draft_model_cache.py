@@ -75,13 +75,9 @@ def test_only_kept_tokens_are_named_and_every_draft_block_comes_back(drafted):
     assert counters.num_accepted_tokens - num_accepted < counters.num_draft_tokens - num_drafts  # rejections
     assert blocks.num_free_blocks == blocks.num_blocks
     # Every block the draft's cache named meanwhile is a block of some request's prompt and kept answer.
-    kept_names = set()
-    for output in outputs:
-        tokens = output.prompt_token_ids + output.outputs[0].token_ids
-        parent = b""
-        for start in range(0, len(tokens) - blocks.block_size + 1, blocks.block_size):
-            parent = hash_block(parent, tokens[start : start + blocks.block_size])
-            kept_names.add(parent)
+    kept_names = set().union(
+        *(_names(o.prompt_token_ids + o.outputs[0].token_ids, blocks.block_size) for o in outputs)
+    )
     new_names = set(blocks.cached_blocks) - names_before
     assert new_names and new_names <= kept_names
 

@@ -65,7 +65,7 @@ inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, in
   }
 }
 
-// Tasks a thread takes at a time, so that it knows the next one and asks for its keys during this one: its
+// Tasks a thread takes at a time (at most), so that it knows the next one and asks for its keys during this one: its
 // first kNextAsked rows as the softmax ends, the rest one a V row, so that the reads go on through both
 // passes (the V rows are asked for in the first). Before, each task began on a stall for its first keys: 64
 // sequences of 192 tokens, 30 layers, 2 threads (AMD family 26, K/V from memory, alternating builds):
@@ -86,21 +86,21 @@ constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
 // for the V row and the weights.
 constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 8;
 
-// The passes below are forced inline into attend_group: called, they cost a 64-sequence step's attention 25%
-// (values kept in registers across the loops were reloaded from memory).
 // One sweep of the V pass over NH heads of a group and one chunk of CB output vectors: each V row is read and
-// widened once for all NH heads. out_h = sum_t p_h,t v_t * inv_h, the tokens in order, as one head alone sums,
-// whatever CB and NH are. ask(t) is called before row t's read, to ask for data ahead of its use.
-template <typename T, int CB, int NH, typename Ask>
-[[gnu::always_inline]] inline void weigh_values(const T* v_cache, const Context& c, const float* const* weights, const float* inv, int c0,
-                  float* const* outs, const Ask& ask) {
+// widened once for all NH heads. out_h = sum_t p_h,t v_t * inv_h, the tokens in order, as one head alone sums.
+// On the first sweep (`ask_ahead`), each V row read asks for one of the next task's K rows of D values (past
+// those asked for already), so that the memory reads go on evenly through both passes.
+template <typename T, int CB, int NH, int D>
+void weigh_values(const T* v_cache, const Context& c, const float* const* weights, const float* inv, int c0,
+                  float* const* outs, const T* k_cache, bool ask_ahead) {
   using simd::Vec;
   constexpr int W = simd::kWidth;
   Vec acc[NH][CB];
   for (int h = 0; h < NH; ++h)
     for (int i = 0; i < CB; ++i) acc[h][i] = simd::zero();
+  const int64_t ask_from = kNextAsked - c.skip, ask_end = ask_ahead ? c.next_len : 0;
   for (int64_t t = c.skip; t < c.len; ++t) {
-    ask(t);
+    if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1);
     const T* v = v_cache + c.rows[t] + W * c0;
     Vec row[CB];
     for (int i = 0; i < CB; ++i) row[i] = simd::load(v + W * i);
@@ -113,77 +113,8 @@ template <typename T, int CB, int NH, typename Ask>
     const Vec scale = simd::set1(inv[h]);
     for (int i = 0; i < CB; ++i) simd::store(outs[h] + W * (c0 + i), simd::mul(acc[h][i], scale));
   }
-}
-
-// Pass 2 for output vectors [c0, c1) of every head of a group, CB vectors a sweep (CB divides both),
-// kValueAccumulators / CB heads a sweep. The first sweep calls first_ask(t), the others no_ask.
-template <typename T, int CB, typename Ask>
-[[gnu::always_inline]] inline void weigh_value_chunks(const T* v_cache, const Context& c, int64_t group, const float* scores, int64_t stride,
-                        const float* inv, int c0, int c1, int64_t value_dim, float* out, const Ask& first_ask) {
-  constexpr int NH = std::max(1, kValueAccumulators / CB);
-  const auto no_ask = [](int64_t) {};
-  for (int64_t h0 = 0; h0 < group; h0 += NH) {
-    const float* weights[NH];
-    float* outs[NH];
-    const int64_t heads = std::min<int64_t>(NH, group - h0);
-    for (int64_t h = 0; h < heads; ++h) {
-      weights[h] = scores + (h0 + h) * stride;
-      outs[h] = out + (h0 + h) * value_dim;
-    }
-    for (int chunk = c0; chunk < c1; chunk += CB) {
-      with_row_count<NH>(heads, [&](auto n) {
-        constexpr int kHeads = decltype(n)::value;
-        if (h0 == 0 && chunk == c0) weigh_values<T, CB, kHeads>(v_cache, c, weights, inv + h0, chunk, outs, first_ask);
-        else weigh_values<T, CB, kHeads>(v_cache, c, weights, inv + h0, chunk, outs, no_ask);
-      });
-    }
-  }
-}
-
-// Pass 1 over the tiles of keys from t_begin to t_end (multiples of the width, t_end capped at c.len):
-// scores[h][t] = q_h . k_t * scale, W tokens a tile, their horizontal sums done together. A tile's scores
-// depend only on its keys and the queries, so any split of the tiles gives the same bits. Asks for K rows
-// ahead within the range, and (ask_values) for each tile's V rows, which pass 2 reads next.
-template <typename T, int D, int DV>
-[[gnu::always_inline]] inline void score_tiles(const float* q, int64_t group, const T* k_cache, const T* v_cache, const Context& c, int64_t t_begin,
-                 int64_t t_end, bool ask_values, float* scores, int64_t stride, float* keys) {
-  using simd::Vec;
-  constexpr int W = simd::kWidth, C = D / W;
-  constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
-  t_end = std::min(t_end, c.len);
-  const Vec scale = simd::set1(c.scale);
-  prefetch_rows<T, D>(k_cache, c.rows, t_begin, std::min(t_end, t_begin + kAhead));
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += W) {
-    const int64_t tile = std::min<int64_t>(W, t_end - t0);
-    prefetch_rows<T, D>(k_cache, c.rows, std::min(t_end, t0 + kAhead), std::min(t_end, t0 + kAhead + W));
-    if (ask_values) prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
-    for (int64_t i = 0; i < tile; ++i) load_row(k_cache + c.rows[t0 + i], keys + i * D, D);
-    for (int64_t h = 0; h < group; ++h) {
-      Vec qv[C];
-      for (int i = 0; i < C; ++i) qv[i] = simd::load(q + h * D + W * i);
-      // scores has room for whole tiles: the lanes past the context are written but never read.
-      simd::store(scores + h * stride + t0, tile_scores<C>(qv, tile, [&](int64_t i) { return keys + i * D; }, scale));
-    }
-  }
-}
-
-// One head's softmax numerators in place (zero outside the visible keys); returns 1 / their sum with the sink's
-// share, by which pass 2 scales the output instead of dividing each weight.
-[[gnu::always_inline]] inline float softmax_numerators(const Context& c, float sink, float* s) {
-  using simd::Vec;
-  constexpr int W = simd::kWidth;
-  const Vec minus_infinity = simd::set1(-INFINITY);
-  Vec vmax = minus_infinity;
-  for (int64_t t = 0; t < c.len; t += W) vmax = simd::max(vmax, visible(c, t, simd::load(s + t), minus_infinity));
-  const float m_scalar = std::max(simd::reduce_max(vmax), sink);
-  const Vec m = simd::set1(m_scalar);
-  Vec vsum = simd::zero();
-  for (int64_t t = 0; t < c.len; t += W) {
-    const Vec e = visible(c, t, simd::exp_nonpositive(simd::sub(simd::load(s + t), m)), simd::zero());
-    simd::store(s + t, e);
-    vsum = simd::add(vsum, e);
-  }
-  return 1.0f / (simd::reduce_add(vsum) + std::exp(sink - m_scalar));
+  // A next task longer than this one: the rest of its rows.
+  if (ask_ahead) prefetch_rows<T, D>(k_cache, c.next_rows, std::max(c.len + ask_from, kNextAsked), c.next_len);
 }
 
 // The G query heads that share one kv head (GQA; MLA's absorbed heads all share its one latent "head"), over one
@@ -196,20 +127,61 @@ template <typename T, int D, int DV>
 template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim, of kValueChunk vectors
 void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_cache, const Context& c,
                   const float* sinks, float* scores, int64_t stride, float* keys, float* inv, float* out) {
-  constexpr int CV = DV / simd::kWidth, CB = value_chunk(CV);
-  static_assert(DV % simd::kWidth == 0 && CV % CB == 0, "whole chunks of whole vectors");
-  score_tiles<T, D, DV>(q, group, k_cache, v_cache, c, 0, c.len, true, scores, stride, keys);
-  for (int64_t h = 0; h < group; ++h) inv[h] = softmax_numerators(c, sinks[h], scores + h * stride);
+  using simd::Vec;
+  constexpr int W = simd::kWidth, C = D / W;
+  // Pass 1: scores[h][t] = q_h . k_t * scale, W tokens a tile, their horizontal sums done together.
+  const Vec scale = simd::set1(c.scale);
+  constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
+  prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead));
+  for (int64_t t0 = 0; t0 < c.len; t0 += W) {
+    const int64_t tile = std::min<int64_t>(W, c.len - t0);
+    // The K rows a tile on, and this tile's V rows for pass 2.
+    prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
+    prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
+    for (int64_t i = 0; i < tile; ++i) load_row(k_cache + c.rows[t0 + i], keys + i * D, D);
+    for (int64_t h = 0; h < group; ++h) {
+      Vec qv[C];
+      for (int i = 0; i < C; ++i) qv[i] = simd::load(q + h * D + W * i);
+      // scores has room for whole tiles: the lanes past the context are written but never read.
+      simd::store(scores + h * stride + t0, tile_scores<C>(qv, tile, [&](int64_t i) { return keys + i * D; }, scale));
+    }
+  }
+  // Softmax numerators (zero outside the visible keys); the division by their sum is folded into the output.
+  const Vec minus_infinity = simd::set1(-INFINITY);
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * stride;
+    Vec vmax = minus_infinity;
+    for (int64_t t = 0; t < c.len; t += W) vmax = simd::max(vmax, visible(c, t, simd::load(s + t), minus_infinity));
+    const float m_scalar = std::max(simd::reduce_max(vmax), sinks[h]);
+    const Vec m = simd::set1(m_scalar);
+    Vec vsum = simd::zero();
+    for (int64_t t = 0; t < c.len; t += W) {
+      const Vec e = visible(c, t, simd::exp_nonpositive(simd::sub(simd::load(s + t), m)), simd::zero());
+      simd::store(s + t, e);
+      vsum = simd::add(vsum, e);
+    }
+    inv[h] = 1.0f / (simd::reduce_add(vsum) + std::exp(sinks[h] - m_scalar));
+  }
   // The next task's first keys, asked for now (its V pass still to run here), so that it does not start on
-  // a stall; the first sweep of the V pass asks for the rest, one a V row, so that the memory reads go on
-  // evenly through both passes; a next task longer than this one, the rest after it.
+  // a stall; the V pass asks for the rest.
   prefetch_rows<T, D>(k_cache, c.next_rows, 0, std::min(c.next_len, kNextAsked));
-  const int64_t ask_from = kNextAsked - c.skip, ask_end = c.next_len;
-  const auto ask_next = [&](int64_t t) {
-    if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1);
-  };
-  weigh_value_chunks<T, CB>(v_cache, c, group, scores, stride, inv, 0, CV, DV, out, ask_next);
-  prefetch_rows<T, D>(k_cache, c.next_rows, std::max(c.len + ask_from, kNextAsked), c.next_len);
+  // Pass 2: out_h = sum_t p_h,t v_t / sum_t p_h,t, up to NH heads a sweep over the V rows.
+  constexpr int CV = DV / W, CB = value_chunk(CV), NH = std::max(1, kValueAccumulators / CB);
+  static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
+  for (int64_t h0 = 0; h0 < group; h0 += NH) {
+    const float* weights[NH];
+    float* outs[NH];
+    const int64_t heads = std::min<int64_t>(NH, group - h0);
+    for (int64_t h = 0; h < heads; ++h) {
+      weights[h] = scores + (h0 + h) * stride;
+      outs[h] = out + (h0 + h) * DV;
+    }
+    for (int c0 = 0; c0 < CV; c0 += CB) {
+      with_row_count<NH>(heads, [&](auto n) {
+        weigh_values<T, CB, decltype(n)::value, D>(v_cache, c, weights, inv + h0, c0, outs, k_cache, h0 == 0 && c0 == 0);
+      });
+    }
+  }
 }
 
 // A thread's buffers for its (sequence, kv head) tasks: the group's queries and outputs in fp32, its scores
@@ -226,114 +198,6 @@ struct Scratch {
   }
 };
 
-// Where one call's K/V rows lie, and which of them each sequence's query sees.
-struct Paged {
-  const int64_t* tables;  // (num_seqs, max_blocks)
-  const int64_t* lens;    // (num_seqs,)
-  int64_t max_blocks, block_size, num_kv_heads, head_dim, window;
-  int64_t slot_stride() const { return num_kv_heads * head_dim; }  // elements between consecutive tokens
-  // The first token a sequence's query sees (a window's first key; 0: all of them).
-  int64_t visible_from(int64_t seq) const { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0; }
-  // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
-  // prefill_attention.cpp's): the same lanes, so the same sums.
-  int64_t first_row(int64_t seq) const { return visible_from(seq) / simd::kWidth * simd::kWidth; }
-  int64_t num_rows(int64_t seq) const { return lens[seq] - first_row(seq); }
-  // A (sequence, kv head)'s visible rows: each token's row offset, found once per task (a division per token
-  // costs more than its math).
-  void fill_rows(int64_t seq, int64_t kv_head, int64_t* out) const {
-    const int64_t first = first_row(seq), end = lens[seq], block_stride = block_size * slot_stride();
-    for (int64_t b = first / block_size, t0 = b * block_size; t0 < end; ++b, t0 += block_size) {
-      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
-      for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < end; ++i)
-        out[t0 + i - first] = offset + i * slot_stride();
-    }
-  }
-};
-
-// The queries and outputs of one call, fp32 queries of a group loaded and outputs narrowed the same way by both
-// drivers.
-template <typename T>
-struct Heads {
-  const T* q;
-  T* out;
-  const float* sinks;  // (num_heads,) or null
-  int64_t num_heads, group, head_dim, value_dim;
-  int64_t first_head(int64_t seq, int64_t kv_head) const { return seq * num_heads + kv_head * group; }
-  void load(int64_t seq, int64_t kv_head, float* qf, float* group_sinks) const {
-    for (int64_t g = 0; g < group; ++g) {
-      load_row(q + (first_head(seq, kv_head) + g) * head_dim, qf + g * head_dim, head_dim);
-      group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
-    }
-  }
-  void store(int64_t seq, int64_t kv_head, const float* acc) const {
-    T* o = out + first_head(seq, kv_head) * value_dim;
-    for (int64_t d = 0; d < group * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
-  }
-};
-
-// Whether attend_group serves this head size (else the plain loop), and the call with its template arguments.
-inline bool has_group_kernel(int64_t head_dim, int64_t value_dim) {
-  return (head_dim == value_dim && (head_dim == 32 || head_dim == 64 || head_dim == 128)) ||
-         (head_dim == 576 && value_dim == 512);
-}
-template <typename F>
-void with_head_size(int64_t head_dim, int64_t value_dim, const F& f) {
-  if (head_dim == 32) f(std::integral_constant<int, 32>{}, std::integral_constant<int, 32>{});
-  else if (head_dim == 64) f(std::integral_constant<int, 64>{}, std::integral_constant<int, 64>{});
-  else if (head_dim == 128) f(std::integral_constant<int, 128>{}, std::integral_constant<int, 128>{});
-  else f(std::integral_constant<int, 576>{}, std::integral_constant<int, 512>{});
-}
-
-// Every (sequence, kv head) task whole on one thread, runs of up to kTaskRun consecutive tasks (a sequence's
-// kv heads share its blocks) a thread at a time, as many runs for each thread: with few tasks, runs of
-// kTaskRun left threads idle (2 sequences of 3 kv heads, 1,000 tokens, 2 threads: 2.16 -> 1.77 ms for 30
-// layers, AMD family 26).
-template <typename T>
-void attend_tasks(const Paged& paged, const Heads<T>& heads, int64_t num_seqs, const T* k_ptr, const T* v_ptr,
-                  float scale) {
-  const int64_t num_kv_heads = paged.num_kv_heads, group = heads.group;
-  const int64_t head_dim = heads.head_dim, value_dim = heads.value_dim, num_tasks = num_seqs * num_kv_heads;
-  const int64_t num_threads = at::get_num_threads();
-  const int64_t runs_a_thread = std::max<int64_t>(1, (num_tasks + num_threads * kTaskRun - 1) / (num_threads * kTaskRun));
-  const int64_t run = (num_tasks + num_threads * runs_a_thread - 1) / (num_threads * runs_a_thread);
-  parallel_task_runs<Scratch>(num_tasks, run, [&](int64_t task, int64_t next, Scratch& scratch) {
-    scratch.size_for(group, head_dim, value_dim);
-    std::vector<int64_t>& rows = scratch.rows;
-    const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads, len = paged.num_rows(seq);
-    const int64_t stride = len + simd::kWidth;  // whole tiles
-    scratch.scores.resize(group * stride);
-    if (scratch.next_task == task) {
-      rows.swap(scratch.next_rows);  // found during the task before
-    } else {
-      rows.resize(len);
-      paged.fill_rows(seq, kv_head, rows.data());
-    }
-    int64_t next_len = 0;
-    scratch.next_task = next;
-    if (next >= 0) {
-      next_len = paged.num_rows(next / num_kv_heads);
-      scratch.next_rows.resize(next_len);
-      paged.fill_rows(next / num_kv_heads, next % num_kv_heads, scratch.next_rows.data());
-    }
-    heads.load(seq, kv_head, scratch.qf.data(), scratch.group_sinks.data());
-    const Context c{rows.data(), len, paged.visible_from(seq) - paged.first_row(seq), scale,
-                    scratch.next_rows.data(), next_len};
-    if (has_group_kernel(head_dim, value_dim)) {
-      with_head_size(head_dim, value_dim, [&](auto d, auto dv) {
-        attend_group<T, decltype(d)::value, decltype(dv)::value>(
-            scratch.qf.data(), group, k_ptr, v_ptr, c, scratch.group_sinks.data(), scratch.scores.data(), stride,
-            scratch.keys.data(), scratch.inv.data(), scratch.acc.data());
-      });
-    } else {
-      for (int64_t g = 0; g < group; ++g)
-        attend_head_plain<T>(scratch.qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + c.skip, len - c.skip, 0, scale},
-                             scratch.group_sinks[g], head_dim, value_dim, scratch.scores.data(), scratch.row.data(),
-                             scratch.acc.data() + g * value_dim);
-    }
-    heads.store(seq, kv_head, scratch.acc.data());
-  });
-}
-
 template <typename T>
 void decode_attention_impl(
     const at::Tensor& q,             // (num_seqs, num_heads, head_dim)
@@ -346,14 +210,81 @@ void decode_attention_impl(
     const float* sinks,              // (num_heads,) sink logits, or null
     at::Tensor& out) {               // (num_seqs, num_heads, value_dim)
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), value_dim = out.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  const Paged paged{block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), block_tables.size(1),
-                    k_cache.size(1), num_kv_heads, head_dim, window};
-  const Heads<T> heads{q.data_ptr<T>(), out.data_ptr<T>(), sinks, num_heads, num_heads / num_kv_heads, head_dim,
-                       value_dim};
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
-  attend_tasks<T>(paged, heads, num_seqs, k_ptr, v_ptr, static_cast<float>(scale));
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
+  const int64_t block_stride = block_size * slot_stride;
+
+  // The visible rows of a (sequence, kv head) from token `first` up to `end`: each token's row offset, found
+  // once per task (a division per token costs more than its math).
+  const auto fill_rows = [&](int64_t seq, int64_t kv_head, int64_t first, int64_t end, int64_t* out) {
+    for (int64_t b = first / block_size, t0 = b * block_size; t0 < end; ++b, t0 += block_size) {
+      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
+      for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < end; ++i)
+        out[t0 + i - first] = offset + i * slot_stride;
+    }
+  };
+  // The first token a sequence's query sees (a window's first key; 0: all of them).
+  const auto visible_from = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0; };
+  // Rows from the visible keys' tile on, tiles at whole multiples of the width from position 0 (as
+  // prefill_attention.cpp's): the same lanes, so the same sums.
+  const auto first_row = [&](int64_t seq) { return visible_from(seq) / simd::kWidth * simd::kWidth; };
+  parallel_task_runs<Scratch>(num_seqs * num_kv_heads, kTaskRun, [&](int64_t task, int64_t next, Scratch& scratch) {
+    scratch.size_for(group, head_dim, value_dim);
+    std::vector<float> &qf = scratch.qf, &acc = scratch.acc, &keys = scratch.keys, &row = scratch.row;
+    std::vector<float> &scores = scratch.scores, &group_sinks = scratch.group_sinks, &inv = scratch.inv;
+    std::vector<int64_t>& rows = scratch.rows;
+    const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+    const int64_t context_len = lens[seq], first = first_row(seq);
+    const int64_t len = context_len - first;
+    const int64_t stride = len + simd::kWidth;  // whole tiles
+    scores.resize(group * stride);
+    if (scratch.next_task == task) {
+      rows.swap(scratch.next_rows);  // found during the task before
+    } else {
+      rows.resize(len);
+      fill_rows(seq, kv_head, first, context_len, rows.data());
+    }
+    int64_t next_len = 0;
+    scratch.next_task = next;
+    if (next >= 0) {
+      const int64_t next_seq = next / num_kv_heads, next_first = first_row(next_seq);
+      next_len = lens[next_seq] - next_first;
+      scratch.next_rows.resize(next_len);
+      fill_rows(next_seq, next % num_kv_heads, next_first, lens[next_seq], scratch.next_rows.data());
+    }
+    const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
+    for (int64_t g = 0; g < group; ++g) {
+      load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
+      group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
+    }
+    const Context context{rows.data(), len, visible_from(seq) - first, static_cast<float>(scale), scratch.next_rows.data(),
+                          next_len};
+    const bool same = head_dim == value_dim;
+    const auto attend = [&](auto kernel) {
+      kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(),
+             inv.data(), acc.data());
+    };
+    if (same && head_dim == 32) attend(attend_group<T, 32>);
+    else if (same && head_dim == 64) attend(attend_group<T, 64>);
+    else if (same && head_dim == 128) attend(attend_group<T, 128>);
+    else if (head_dim == 576 && value_dim == 512) attend(attend_group<T, 576, 512>);
+    else {
+      for (int64_t g = 0; g < group; ++g)
+        attend_head_plain<T>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
+                             context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
+                             acc.data() + g * value_dim);
+    }
+    T* o = out_ptr + first_head * value_dim;
+    for (int64_t d = 0; d < group * value_dim; ++d) o[d] = static_cast<T>(acc[d]);
+  });
 }
 
 }  // namespace
