@@ -32,6 +32,7 @@ def model_facts(model: str, info: RunnerInfo, max_model_len: int) -> dict[str, s
         "architecture": info.architecture,
         "weight_format": info.weight_format,
         "dtype": info.dtype,
+        "kv_cache_dtype": info.cache_dtype,
         "device": info.device,
         "kernel_variant": info.kernel_variant,
         "attention_backend": info.attention_backend,

@@ -49,7 +49,7 @@ def cache_config_labels(info: RunnerInfo) -> dict[str, str]:
     return {
         "block_size": str(info.block_size),
         "num_gpu_blocks": str(info.num_blocks),
-        "cache_dtype": info.dtype,
+        "cache_dtype": info.cache_dtype,
         "kv_cache_tokens": str(info.kv_cache_tokens),
     }
 

@@ -83,7 +83,8 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
     cache = CacheConfig(
         **_pick(options, {"block_size": "block_size", "kv_cache_memory_bytes": "kv_cache_memory_bytes",
                           "num_kv_blocks": "num_blocks", "enable_prefix_caching": "enable_prefix_caching",
-                          "max_pinned_kv_fraction": "max_pinned_kv_fraction"})
+                          "max_pinned_kv_fraction": "max_pinned_kv_fraction",
+                          "kv_cache_dtype": "kv_cache_dtype"})
     )  # fmt: skip
     scheduler = SchedulerConfig(
         **_pick(options, {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",

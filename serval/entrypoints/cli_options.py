@@ -11,7 +11,7 @@ import argparse
 import json
 import re
 
-from serval.config import LoraModule, SpeculativeConfig
+from serval.config import KV_CACHE_DTYPES, LoraModule, SpeculativeConfig
 from serval.server_config import split_domains
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -283,6 +283,12 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, help="KV-cache memory, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks (overrides memory)")
     p.add_argument("--block-size", type=int, help="tokens per KV-cache block")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache holds (default auto: the model's dtype; fp8_e5m2: a byte a value, "
+        "twice the tokens, K and V rounded; docs/configuration.md)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument(
         "--max-pinned-kv-fraction", type=float, help="KV cache that cache_control may pin (default 0.25)"

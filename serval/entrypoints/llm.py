@@ -88,11 +88,13 @@ class LLM:
         speculative_config: dict | SpeculativeConfig | None = None,
         attention_backend: str = "auto",
         cuda_graph_max_batch: int = ModelConfig.cuda_graph_max_batch,
+        kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
     ):
         """tensor_parallel_size: split the model over that many processes (docs/deploy/tensor-parallel.md);
         close() stops them (else they stop when this process exits). speculative_config: vLLM's keys
         ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig).
-        deterministic, attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md)."""
+        deterministic, attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md).
+        kv_cache_dtype: CacheConfig's ("fp8_e5m2": an 8-bit KV cache)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
@@ -103,7 +105,7 @@ class LLM:
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes, num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
+                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

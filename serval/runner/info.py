@@ -17,6 +17,7 @@ class RunnerInfo:
     vocab_size: int
     dtype: str
     device: str
+    kv_cache_dtype: str = ""  # what the KV cache holds: the compute dtype, or "float8_e5m2"; "": as dtype
     max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
@@ -50,9 +51,18 @@ class RunnerInfo:
             f" compute dtype {self.dtype} on {self.device},"
             f" CPU kernels {self.kernel_variant}, {self.num_threads} threads{self._parallel_text()},"
             f" KV cache {self.kv_cache_tokens}"
-            f" tokens ({self.num_blocks} blocks of {self.block_size}), max context {self.max_model_len},"
+            f" tokens ({self.num_blocks} blocks of {self.block_size}{self._kv_dtype_text()}),"
+            f" max context {self.max_model_len},"
             f" speculative decoding {self.speculative_decoding}"
         )
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype name (kv_cache_dtype, or the compute dtype where it is not given)."""
+        return self.kv_cache_dtype or self.dtype
+
+    def _kv_dtype_text(self) -> str:
+        return "" if self.cache_dtype == self.dtype else f", {self.cache_dtype}"
 
     def _packed_text(self) -> str:
         if not self.packed_weights:

@@ -12,7 +12,7 @@ import torch
 
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
-from serval.runner.attention.backend import StepAttention, StepLayout
+from serval.runner.attention.backend import StepAttention, StepLayout, cache_storage, kv_cache_dtype
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.cuda_graph import decode_graphs_for
@@ -53,6 +53,7 @@ class ModelRunner:
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
         self.model = self._load_model(checkpoint, model_config.dtype, kernels)
+        self.kv_cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config.kv_cache_memory_bytes
@@ -60,6 +61,11 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(
             self.device, kernels, model_config.attention_backend
         )
+        if self.kv_cache_dtype != self.dtype and self.attention_backend.name == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={cache_config.kv_cache_dtype!r} runs on the native-cpu and sdpa attention "
+                "backends; the Triton kernels read the cache in the model's dtype"
+            )
         # On CUDA one KV block past the engine's takes decode graphs' padding rows (decode_graphs.py).
         self.kv_caches = self._allocate_kv_cache(num_spare_blocks=int(self.device.type == "cuda"))
         self.decode_graphs = decode_graphs_for(
@@ -140,6 +146,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=self.arch.vocab_size,
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             device=str(self.device),
             max_loras=0 if self.lora_slots is None else self.lora_slots.max_loras,
             architecture=self.arch.architecture,
@@ -241,7 +248,7 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         a = self.full_arch
         values = self.model.kv_cache_spec(a).values_per_token()
-        return a.num_layers * self.block_size * values * self.dtype.itemsize
+        return a.num_layers * self.block_size * values * self.kv_cache_dtype.itemsize
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
         num_blocks = budget_bytes // self._bytes_per_block()
@@ -261,15 +268,16 @@ class ModelRunner:
         return caches
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype = self.kv_cache_dtype
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
         # NOTE: an anonymous mapping, not torch.zeros, which writes every byte: the OS hands out zero pages as
         # slots are first written, so resident memory follows the blocks in use, not the budget. Not calloc
         # either (numpy's zeros): once the loader has freed a large buffer, glibc serves allocations of up to
         # 32 MB from its heap, and calloc then clears (touches) them: 1.2 -> 1.9 GB resident at start-up.
         # The mapping is page-aligned, so a 128-byte K row spans two cache lines, not three.
-        num_bytes = self.dtype.itemsize * math.prod(shape)
-        return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=self.dtype).view(shape)
+        num_bytes = dtype.itemsize * math.prod(shape)
+        return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer's K and V rows) from source to destination block ids."""
@@ -282,6 +290,7 @@ class ModelRunner:
         destination_rows = (destinations[:, None] * self.block_size + offsets).flatten()
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache,) if v_cache is k_cache else (k_cache, v_cache):
+                cache = cache_storage(cache)
                 cache.index_copy_(0, destination_rows, cache.index_select(0, source_rows))
 
     def _step_attention(self, batch: Batch) -> StepAttention:

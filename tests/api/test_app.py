@@ -194,7 +194,7 @@ def test_metrics_count_requests_and_tokens(client):
 # FakeEngine's runner facts; max_model_len is the engine's (256), not the runner's context (4096).
 MODEL_FACTS = {
     "model": MODEL, "architecture": "FakeForCausalLM", "weight_format": "Q4_1+Q8_0", "dtype": "bfloat16",
-    "device": "cpu", "kernel_variant": "avx2", "attention_backend": "native-cpu", "batch_activations": "int8",
+    "kv_cache_dtype": "bfloat16", "device": "cpu", "kernel_variant": "avx2", "attention_backend": "native-cpu", "batch_activations": "int8",
     "num_threads": 3,
     "kv_cache_tokens": 320, "max_model_len": 256, "speculative_decoding": "off",
 }  # fmt: skip

@@ -278,6 +278,17 @@ def test_attention_backend_and_cuda_graph_flags_reach_the_model_config():
         model_config("--cuda-graph-max-batch", "-1")
 
 
+def test_the_kv_cache_dtype_flag_reaches_the_cache_config(capsys):
+    def cache_config(*argv: str):
+        return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).cache
+
+    assert cache_config().kv_cache_dtype == "auto"
+    assert cache_config("--kv-cache-dtype", "fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit):
+        cache_config("--kv-cache-dtype", "fp8_e4m3")
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_deterministic_from_the_flag_and_the_file(tmp_path):
     def deterministic(argv: list[str]) -> bool:
         return engine_config(merged_options(build_parser().parse_args(["serve", *argv]))).model.deterministic

@@ -18,6 +18,7 @@ from serval.runner.attention.backend import (
     StepLayout,
     context_slots,
     new_token_slots,
+    store_rows,
     write_new_kv,
 )
 
@@ -94,7 +95,7 @@ class NativeCpuBackend:
         return self._attend(q, k_cache, v_cache, metadata, scale, window, sinks, q.shape[-1])
 
     def forward_latent(self, q, latent, cache, metadata: NativeMetadata, scale, value_dim) -> torch.Tensor:
-        cache.index_copy_(0, metadata.slot_mapping, latent)
+        store_rows(latent, cache, metadata.slot_mapping)
         # One tensor as K and V: the kernels read a token's value from the start of its key row.
         return self._attend(q, cache, cache, metadata, scale, 0, None, value_dim)
 

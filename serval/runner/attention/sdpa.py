@@ -18,6 +18,8 @@ from serval.runner.attention.backend import (
     StepLayout,
     context_slots,
     new_token_slots,
+    store_rows,
+    widened,
     write_new_kv,
 )
 
@@ -74,10 +76,12 @@ class SdpaBackend:
         self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
     ) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        k, v = as_cached(k, k_cache), as_cached(v, v_cache)
         return self._attend(q, k, v, k_cache, v_cache, metadata, scale, window, sinks)
 
     def forward_latent(self, q, latent, cache, metadata: SdpaMetadata, scale, value_dim) -> torch.Tensor:
-        cache.index_copy_(0, metadata.slot_mapping, latent)
+        store_rows(latent, cache, metadata.slot_mapping)
+        latent = as_cached(latent, cache)
         # Views, not copies: a key row's first value_dim values are its value (SDPA takes a narrower V).
         values, cached_values = latent[..., :value_dim], cache[..., :value_dim]
         return self._attend(q, latent, values, cache, cached_values, metadata, scale, 0, None)
@@ -89,10 +93,10 @@ class SdpaBackend:
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
             q_dec = q[rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)
-            k_dec = k_cache[metadata.decode_slots].transpose(
+            k_dec = widened(k_cache[metadata.decode_slots], q.dtype).transpose(
                 1, 2
             )  # (num_decodes, num_kv_heads, len, head_dim)
-            v_dec = v_cache[metadata.decode_slots].transpose(1, 2)
+            v_dec = widened(v_cache[metadata.decode_slots], q.dtype).transpose(1, 2)
             mask = metadata.decode_mask
             if window:  # slots are the context in order: key j is position j, the query the last one
                 key_positions = torch.arange(mask.shape[-1], device=mask.device)
@@ -104,8 +108,10 @@ class SdpaBackend:
             if p.context_slots is None:
                 k_p, v_p = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             else:
-                k_p = k_cache[p.context_slots].transpose(0, 1)  # (num_kv_heads, context_len, head_dim)
-                v_p = v_cache[p.context_slots].transpose(0, 1)
+                k_p = widened(k_cache[p.context_slots], q.dtype).transpose(
+                    0, 1
+                )  # (num_kv_heads, context_len, head_dim)
+                v_p = widened(v_cache[p.context_slots], q.dtype).transpose(0, 1)
             if p.context_slots is None and not window and sinks is None:
                 o = F.scaled_dot_product_attention(
                     q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=True
@@ -141,3 +147,10 @@ def attend(
     sink_column = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     return (probs @ v).to(q.dtype)
+
+
+def as_cached(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The step's new K/V rows as the cache holds them: rounded through an 8-bit cache's dtype, so that a prompt's
+    own keys are the values its later decodes read back (what the native kernels see: they read every key from
+    the cache)."""
+    return new if cache.dtype == new.dtype else new.to(cache.dtype).to(new.dtype)

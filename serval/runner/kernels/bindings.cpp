@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's torch.argmax of (rows, n) fp32", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (rows, 2 * inter) tensor", release());
   m.def("rotary_embedding_", &rotary_embedding_, "neox RoPE in place on q and k", release());
+  m.def("store_cache_rows", &store_cache_rows, "rows into their KV cache slots, in the cache's dtype", release());
   // window 0: every query sees its whole context; sinks empty: no sink logits. value_dim 0: head_dim; less:
   // MLA's latent attention (values the first value_dim of each V row; the output that wide, prefill's `out` too).
   m.def("paged_decode_attention", &paged_decode_attention,

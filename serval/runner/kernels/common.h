@@ -23,6 +23,7 @@ namespace serval_kernels {
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::Float8_e5m2 x) { return static_cast<float>(x); }
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -121,6 +122,23 @@ inline void parallel_task_runs(int64_t n, int64_t max_run, const F& f) {
   }
 }
 
+// f(Q{}, K{}) for the attention kernels' query and output dtype Q and their cache's dtype K: the cache holds q's
+// dtype, or fp8 e5m2 (an 8-bit KV cache, `--kv-cache-dtype fp8_e5m2`), widened exactly as it is read.
+template <typename F>
+void with_attention_types(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "the KV cache: q's dtype or fp8 e5m2, K and V alike");
+  const auto with_cache = [&](auto query) {
+    if (fp8) f(query, at::Float8_e5m2{});
+    else f(query, query);
+  };
+  if (q.scalar_type() == at::kFloat) with_cache(float{});
+  else if (q.scalar_type() == at::kBFloat16) with_cache(at::BFloat16{});
+  else if (q.scalar_type() == at::kHalf) with_cache(at::Half{});
+  else TORCH_CHECK(false, "unsupported dtype");
+}
+
 // The attention kernels' per-head sink logits (gpt-oss): an fp32 tensor of one per query head, or an empty
 // (or undefined) one for none (a null pointer).
 inline const float* sink_logits(const at::Tensor& sinks, int64_t num_heads) {
@@ -177,6 +195,7 @@ void paged_prefill_attention(
 at::Tensor bf16_linear_small_batch(at::Tensor x, at::Tensor w);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor argmax_rows(at::Tensor x);
+void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots);
 at::Tensor silu_mul(at::Tensor gate_up);
 void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,

@@ -1,5 +1,5 @@
 // The torch-facing small kernels: the bf16 small-batch matmul, RMSNorm, a row-wise argmax, SwiGLU's silu * up,
-// in-place RoPE.
+// in-place RoPE, the new K/V rows' writes into their cache slots.
 #include "common.h"
 
 using namespace serval_kernels;
@@ -208,4 +208,48 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor si
     else if (x.scalar_type() == at::kFloat) rope_impl<float>(x, c.data_ptr<float>(), s.data_ptr<float>(), half);
     else TORCH_CHECK(false, "rotary_embedding_: unsupported dtype");
   }
+}
+
+// Each row of src into its slot of the cache, in the cache's dtype: a copy where the dtypes match; an 8-bit
+// cache (fp8 e5m2) gets simd::store's rounding, which is torch's .to(torch.float8_e5m2) (tests/runner/
+// test_kv_cache_dtype.py compares the bytes). A row copy each: index_copy_ costs more per call.
+namespace {
+
+template <typename Source>
+void store_rows_e5m2(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  const int64_t rows = src.size(0), n = src.size(1) * src.size(2), stride = src.stride(0);
+  const auto* from = static_cast<const Source*>(src.data_ptr());
+  auto* to = static_cast<at::Float8_e5m2*>(cache.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) {
+    const Source* row = from + r * stride;
+    at::Float8_e5m2* slot = to + slots[r] * n;
+    int64_t i = 0;
+    for (; i + simd::kWidth <= n; i += simd::kWidth) simd::store(slot + i, simd::load(row + i));
+    for (; i < n; ++i) slot[i] = static_cast<at::Float8_e5m2>(to_float(row[i]));
+  }
+}
+
+}  // namespace
+
+void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots) {
+  TORCH_CHECK(src.dim() == 3 && cache.dim() == 3 && src.size(1) == cache.size(1) && src.size(2) == cache.size(2),
+              "src: (rows, heads, head_dim), cache: (slots, heads, head_dim)");
+  TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2) && cache.is_contiguous(),
+              "each src row contiguous, the cache contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == src.size(0),
+              "one int64 slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  if (cache.scalar_type() == src.scalar_type()) {
+    const int64_t row_bytes = src.size(1) * src.size(2) * src.element_size();
+    const auto* from = static_cast<const char*>(src.data_ptr());
+    auto* to = static_cast<char*>(cache.data_ptr());
+    for (int64_t r = 0; r < src.size(0); ++r)
+      std::memcpy(to + slot[r] * row_bytes, from + r * src.stride(0) * src.element_size(), row_bytes);
+    return;
+  }
+  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e5m2, "a cache of the rows' dtype, or fp8 e5m2");
+  if (src.scalar_type() == at::kFloat) store_rows_e5m2<float>(src, cache, slot);
+  else if (src.scalar_type() == at::kBFloat16) store_rows_e5m2<at::BFloat16>(src, cache, slot);
+  else if (src.scalar_type() == at::kHalf) store_rows_e5m2<at::Half>(src, cache, slot);
+  else TORCH_CHECK(false, "rows of fp32, bf16 or fp16");
 }

@@ -198,7 +198,7 @@ struct Scratch {
   }
 };
 
-template <typename T>
+template <typename T, typename K>  // query and output, cache
 void decode_attention_impl(
     const at::Tensor& q,             // (num_seqs, num_heads, head_dim)
     const at::Tensor& k_cache,       // (num_blocks, block_size, num_kv_heads, head_dim)
@@ -214,8 +214,8 @@ void decode_attention_impl(
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const K* k_ptr = reinterpret_cast<const K*>(k_cache.data_ptr());
+  const K* v_ptr = reinterpret_cast<const K*>(v_cache.data_ptr());
   T* out_ptr = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -272,13 +272,13 @@ void decode_attention_impl(
       kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(),
              inv.data(), acc.data());
     };
-    if (same && head_dim == 32) attend(attend_group<T, 32>);
-    else if (same && head_dim == 64) attend(attend_group<T, 64>);
-    else if (same && head_dim == 128) attend(attend_group<T, 128>);
-    else if (head_dim == 576 && value_dim == 512) attend(attend_group<T, 576, 512>);
+    if (same && head_dim == 32) attend(attend_group<K, 32>);
+    else if (same && head_dim == 64) attend(attend_group<K, 64>);
+    else if (same && head_dim == 128) attend(attend_group<K, 128>);
+    else if (head_dim == 576 && value_dim == 512) attend(attend_group<K, 576, 512>);
     else {
       for (int64_t g = 0; g < group; ++g)
-        attend_head_plain<T>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
+        attend_head_plain<K>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
                              context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
                              acc.data() + g * value_dim);
     }
@@ -305,14 +305,8 @@ at::Tensor paged_decode_attention(
   auto out = at::empty({q.size(0), q.size(1), value_dim}, q.options());
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
-  if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
-  } else if (q.scalar_type() == at::kHalf) {
-    decode_attention_impl<at::Half>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
-  } else {
-    TORCH_CHECK(false, "unsupported dtype");
-  }
+  with_attention_types(q, k_cache, v_cache, [&](auto query, auto cache) {
+    decode_attention_impl<decltype(query), decltype(cache)>(q, k_cache, v_cache, bt, cl, scale, window, sink_ptr, out);
+  });
   return out;
 }

@@ -199,23 +199,10 @@ class DecodeStack::Layers {
                        e.inter, h.size(1), e.activation, e.alpha, e.limit, int8_batch_activations_);
   }
 
-  // The new tokens' K and V rows into their cache slots (a row copy each; index_copy_ costs more per call).
-  void write_kv(const LayerWeights& w, const at::Tensor& k, const at::Tensor& v,
-                const at::Tensor& slots) const {
-    const int64_t rows = k.size(0), kv_size = num_kv_heads_ * head_dim_;
-    const int64_t element_size = w.k_cache.element_size();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    auto* k_cache = static_cast<char*>(w.k_cache.data_ptr());
-    auto* v_cache = static_cast<char*>(w.v_cache.data_ptr());
-    const auto* k_rows = static_cast<const char*>(k.data_ptr());
-    const auto* v_rows = static_cast<const char*>(v.data_ptr());
-    // k is its own tensor after a q/k norm, a view of the fused qkv output otherwise; v always a view.
-    const int64_t row_bytes = kv_size * element_size;
-    const int64_t k_stride = k.stride(0) * element_size, v_stride = v.stride(0) * element_size;
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(k_cache + slot[r] * row_bytes, k_rows + r * k_stride, row_bytes);
-      std::memcpy(v_cache + slot[r] * row_bytes, v_rows + r * v_stride, row_bytes);
-    }
+  // The new tokens' K and V rows into their cache slots, in the cache's dtype (an 8-bit cache: rounded).
+  void write_kv(const LayerWeights& w, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) const {
+    store_cache_rows(k, w.k_cache, slots);
+    store_cache_rows(v, w.v_cache, slots);
   }
 
   std::vector<LayerWeights> layers_;

@@ -73,8 +73,8 @@ void store_row(const float* src, T* dst, int64_t n) {
 }
 
 // Any head size, any ISA: one row at a time.
-template <typename T>
-void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
+template <typename T, typename K>
+void attend_task_plain(const T* q, const K* k_cache, const K* v_cache, T* out, const Sequence& s, const Layout& l,
                        const Task& task, Scratch& scratch) {
   // Keys [base, base + num_keys): what the task's rows see.
   const int64_t D = l.head_dim, DV = l.value_dim, base = s.first_key(task.row_begin, l.window);
@@ -114,8 +114,8 @@ void attend_task_plain(const T* q, const T* k_cache, const T* v_cache, T* out, c
 // output value's sum goes over the same keys in the same order either way (decode_attention.cpp's too).
 constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
 
-template <typename T, int D, int DV = D>  // head_dim, a multiple of 2 * kWidth; value_dim
-void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const Sequence& s, const Layout& l,
+template <typename T, typename K, int D, int DV = D>  // q and out, cache; head_dim, a multiple of 2 * kWidth; value_dim
+void attend_task(const T* q, const K* k_cache, const K* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
   using simd::Vec;
   constexpr int W = simd::kWidth, C = D / W, CV = DV / W, CB = value_chunk(CV);
@@ -215,7 +215,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, T* out, const S
   }
 }
 
-template <typename T>
+template <typename T, typename K>  // q and out, cache
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
@@ -243,8 +243,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     return seqs[a.seq].position(a.row_end - 1) > seqs[b.seq].position(b.row_end - 1);
   });
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const K* k_ptr = static_cast<const K*>(k_cache.data_ptr());
+  const K* v_ptr = static_cast<const K*>(v_cache.data_ptr());
   T* out_ptr = out.data_ptr<T>();
   parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
@@ -252,14 +252,14 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       const Task& task = tasks[i];
       const Sequence& s = seqs[task.seq];
       const bool same = l.head_dim == l.value_dim;
-      if (same && l.head_dim == 32) { attend_task<T, 32>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (same && l.head_dim == 64) { attend_task<T, 64>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
-      if (same && l.head_dim == 128) { attend_task<T, 128>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (same && l.head_dim == 32) { attend_task<T, K, 32>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (same && l.head_dim == 64) { attend_task<T, K, 64>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
+      if (same && l.head_dim == 128) { attend_task<T, K, 128>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch); continue; }
       if (l.head_dim == 576 && l.value_dim == 512) {
-        attend_task<T, 576, 512>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
+        attend_task<T, K, 576, 512>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
         continue;
       }
-      attend_task_plain<T>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
+      attend_task_plain<T, K>(q_ptr, k_ptr, v_ptr, out_ptr, s, l, task, scratch);
     }
   }, Schedule::kDynamic);
 }
@@ -277,7 +277,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
               "k_cache, v_cache: contiguous (num_blocks, block_size, num_kv_heads, head_dim)");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "num_heads must be a multiple of num_kv_heads, head sizes equal");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out in q's dtype");
   for (const auto* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "tables and lengths: contiguous int64");
   }
@@ -285,13 +285,8 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
               context_lens.size(0) == query_lens.size(0), "one block table, start and length per sequence");
   TORCH_CHECK(window >= 0, "window: a token count, 0 for none");
   const float* sink_ptr = sink_logits(sinks, q.size(1));
-  if (q.scalar_type() == at::kFloat) {
-    prefill_attention_impl<float>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    prefill_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
-  } else if (q.scalar_type() == at::kHalf) {
-    prefill_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window, sink_ptr, out);
-  } else {
-    TORCH_CHECK(false, "unsupported dtype");
-  }
+  with_attention_types(q, k_cache, v_cache, [&](auto query, auto cache) {
+    prefill_attention_impl<decltype(query), decltype(cache)>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                                                             context_lens, scale, window, sink_ptr, out);
+  });
 }

@@ -7,6 +7,7 @@
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/Float8_e5m2.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,6 +38,11 @@ inline Vec load(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit left shift
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 inline Vec load(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// fp8 e5m2 is the high byte of an fp16: widened to 16 bits by a shift, then converted exactly.
+inline Vec load(const at::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8))};
+}
 // 8-bit integers (kWidth of them) as floats: the sub-block scales of k-quant weights.
 inline Vec load(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
 inline Vec load(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
@@ -65,6 +71,27 @@ inline void store(at::BFloat16* p, Vec a) {
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+// fp32 -> fp8 e5m2 (an 8-bit KV cache) as c10's fp8e5m2_from_fp32_value rounds, so that the native cache writes
+// equal torch's .to(torch.float8_e5m2): to nearest even; from 65536 on inf (0x7C), NaN 0x7F; below 2^-14 the
+// float add of 128 aligns the subnormal's mantissa (and rounds it).
+inline void store(at::Float8_e5m2* p, Vec a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512i mag = _mm512_xor_si512(bits, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 21), _mm512_set1_epi32(1));
+  const __m512i rebias = _mm512_set1_epi32(static_cast<int32_t>((uint32_t(15 - 127) << 23) + 0xFFFFF));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, rebias), odd), 21);
+  const __m512i denorm = _mm512_set1_epi32(134 << 23);
+  const __m512i subnormal = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_castsi512_ps(denorm))), denorm);
+  __m512i r = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(113 << 23)), subnormal);
+  const __m512i special = _mm512_mask_mov_epi32(_mm512_set1_epi32(0x7C),
+                                                _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(255 << 23)),
+                                                _mm512_set1_epi32(0x7F));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(143 << 23)), special);
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
 }
 // Lanes holding whole numbers within Code's range (int8_t or int16_t) stored as Code; returns their sum.
 template <typename Code>
@@ -103,6 +130,10 @@ inline Vec load(const at::BFloat16* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
 }
 inline Vec load(const at::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline Vec load(const at::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8))};
+}
 inline Vec load(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))}; }
 inline Vec load(const int8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))}; }
 inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
@@ -138,6 +169,28 @@ inline void store(at::BFloat16* p, Vec a) {
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)));
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // values <= 0xFFFF: exact
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store(at::Float8_e5m2* p, Vec a) {  // as the AVX-512 one (magnitudes < 2^31: signed compares)
+  const __m256i bits = _mm256_castps_si256(a.v);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256i mag = _mm256_xor_si256(bits, sign);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, 21), _mm256_set1_epi32(1));
+  const __m256i rebias = _mm256_set1_epi32(static_cast<int32_t>((uint32_t(15 - 127) << 23) + 0xFFFFF));
+  const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, rebias), odd), 21);
+  const __m256i denorm = _mm256_set1_epi32(134 << 23);
+  const __m256i subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(denorm))), denorm);
+  __m256i r = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(113 << 23), mag));
+  const __m256i special = _mm256_blendv_epi8(_mm256_set1_epi32(0x7C), _mm256_set1_epi32(0x7F),
+                                             _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(255 << 23)));
+  r = _mm256_blendv_epi8(r, special, _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((143 << 23) - 1)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  const __m256i low_bytes = _mm256_shuffle_epi8(
+      r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const uint64_t packed = static_cast<uint32_t>(_mm256_extract_epi32(low_bytes, 0)) |
+                          static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(low_bytes, 4))) << 32;
+  std::memcpy(p, &packed, sizeof(packed));
 }
 template <typename Code>
 inline int32_t store_whole(Vec a, Code* p) {
@@ -175,6 +228,7 @@ inline Vec set1(float x) { SERVAL_LANES(x); }
 inline Vec load(const float* p) { SERVAL_LANES(p[i]); }
 inline Vec load(const at::BFloat16* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec load(const at::Half* p) { SERVAL_LANES(static_cast<float>(p[i])); }
+inline Vec load(const at::Float8_e5m2* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec load(const uint8_t* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec load(const int8_t* p) { SERVAL_LANES(static_cast<float>(p[i])); }
 inline Vec add(Vec a, Vec b) { SERVAL_LANES(a.v[i] + b.v[i]); }
@@ -208,6 +262,9 @@ inline float reduce_max(Vec a) {
 }
 inline void store(at::BFloat16* p, Vec a) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(a.v[i]);
+}
+inline void store(at::Float8_e5m2* p, Vec a) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<at::Float8_e5m2>(a.v[i]);
 }
 inline bool any_nan(Vec a) {
   bool any = false;
