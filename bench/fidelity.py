@@ -10,6 +10,7 @@ test prompts, two ways:
 
 .venv/bin/python bench/fidelity.py --max-tokens 32
 .venv/bin/python bench/fidelity.py --dtype auto --batch-activations int8 [--as-cpu-without-bf16]
+.venv/bin/python bench/fidelity.py --dtype auto --kv-cache-dtype fp8_e5m2
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> None:
         "--batch-activations", default="int8", help="of the compared path (default: the server's, int8)"
     )
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="of the compared path (fp8_e5m2: an 8-bit KV cache)"
+    )
+    parser.add_argument(
         "--as-cpu-without-bf16",
         action="store_true",
         help="resolve --dtype auto as on a CPU without native bf16 (fp32 over the packed weights), on any CPU",
@@ -58,7 +62,12 @@ def main() -> None:
         placement.cpu_has_native_bf16 = lambda: False  # what resolve_dtype asks; the kernels stay as they are
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompt_ids, reference, reference_log_probs = fp32_reference(args.model, PROMPTS, params)
-    compared = LLM(args.model, dtype=args.dtype, batch_activations=args.batch_activations)
+    compared = LLM(
+        args.model,
+        dtype=args.dtype,
+        batch_activations=args.batch_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     other = [o.outputs[0].token_ids for o in compared.generate(PROMPTS, params)]
     distance = divergence(reference_log_probs, teacher_forced_log_probs(compared, prompt_ids, reference))
     for prompt, ref, got in zip(PROMPTS, reference, other):
@@ -81,6 +90,7 @@ def main() -> None:
                 },
                 "dtype": args.dtype,
                 "batch_activations": args.batch_activations,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "as_cpu_without_bf16": args.as_cpu_without_bf16,
             }
         )

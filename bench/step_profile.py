@@ -14,6 +14,7 @@ scheduler's default budget, a served step while requests arrive).
 
     .venv/bin/python bench/step_profile.py --batch-size 64
     .venv/bin/python bench/step_profile.py --batch-size 64 --prefill-tokens 512
+    .venv/bin/python bench/step_profile.py --batch-size 64 --kv-cache-dtype fp8_e5m2
     .venv/bin/python bench/step_profile.py --model FILE.gguf --batch-size 16
 """
 
@@ -30,10 +31,20 @@ from serval import LLM, SamplingParams
 from serval.runner.layers import Linear, RMSNorm
 
 
-def prefilled_engine(model: str | None, batch_size: int, steps: int, batch_activations: str = "auto"):
+def prefilled_engine(
+    model: str | None,
+    batch_size: int,
+    steps: int,
+    batch_activations: str = "auto",
+    kv_cache_dtype: str = "auto",
+):
     # One sequence more than the batch: a mixed step's new prompt runs beside the batch, not after it.
     llm = LLM(
-        model, max_num_seqs=batch_size + 1, enable_prefix_caching=False, batch_activations=batch_activations
+        model,
+        max_num_seqs=batch_size + 1,
+        enable_prefix_caching=False,
+        batch_activations=batch_activations,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -71,7 +82,7 @@ def kv_bytes_read(engine) -> int:
     runner = engine.runner
     arch = runner.full_arch
     token_bytes = (
-        runner.model.kv_cache_spec(arch).values_per_token() * runner.dtype.itemsize * arch.num_layers
+        runner.model.kv_cache_spec(arch).values_per_token() * runner.kv_cache_dtype.itemsize * arch.num_layers
     )
     return sum(r.num_computed_tokens + 1 for r in engine.requests.values()) * token_bytes
 
@@ -132,10 +143,15 @@ def main() -> None:
     parser.add_argument(
         "--batch-activations", default="auto", choices=["auto", "int8", "float32"], help="as serve's flag"
     )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"], help="as serve's flag"
+    )
     args = parser.parse_args()
     if args.prefill_tokens and args.prefill_tokens <= args.batch_size:
         parser.error("--prefill-tokens must exceed --batch-size (the decode rows)")
-    engine = prefilled_engine(args.model, args.batch_size, args.steps, args.batch_activations)
+    engine = prefilled_engine(
+        args.model, args.batch_size, args.steps, args.batch_activations, args.kv_cache_dtype
+    )
     model = engine.runner.model
     fused_ms = median_step_ms(engine, args.steps, args.prefill_tokens)
     model.decode_stack = None
@@ -164,6 +180,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "step_profile", "batch_size": args.batch_size, "prefill_tokens": args.prefill_tokens,
         "kernels": info.kernel_variant, "dtype": info.dtype, "batch_activations": info.batch_activations,
+        "kv_cache_dtype": info.cache_dtype,
         # A mixed step never takes the fused decode path: both figures are then the layer path's.
         "fused_step_ms": round(fused_ms, 2), "layered_step_ms": round(layered_ms, 2),
     }))  # fmt: skip

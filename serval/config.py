@@ -64,7 +64,7 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")  # "fp8": e5m2, as vLLM's CPU backend reads it
 
 
 @dataclass(frozen=True)
@@ -78,20 +78,16 @@ class CacheConfig:
     # Most of the KV cache explicit prompt caching (cache_control) may pin. The rest always stays free for
     # running requests, so the context limit shrinks by it; pins need the prefix cache, without it none.
     max_pinned_kv_fraction: float = 0.25
-    # What the KV cache holds: "auto", the model's compute dtype; "fp8_e5m2", one byte a value (vLLM's option of
-    # the name): twice the tokens in the same memory and half the bytes a decode step's attention reads, at
-    # the cost of rounding K and V to 2 mantissa bits (docs/configuration.md has the measured loss).
+    # What the KV cache holds: "auto", the model's compute dtype; "fp8_e5m2" (or "fp8", as vLLM's CPU backend
+    # takes it), one byte a value: twice the tokens in the same memory and half the bytes a decode step's
+    # attention reads, at the cost of rounding K and V to 2 mantissa bits (docs/benchmarks.md has the loss).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be {' or '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-                + (
-                    " (fp8 e4m3 has no exact widening on a CPU; fp8_e5m2 is supported)"
-                    if "fp8" in self.kv_cache_dtype
-                    else ""
-                )
+                + (" (fp8_e4m3 is not supported: fp8_e5m2 is)" if "fp8" in self.kv_cache_dtype else "")
             )
         if not 0.0 <= self.max_pinned_kv_fraction < 1.0:
             raise ValueError(f"max_pinned_kv_fraction must be in [0, 1), got {self.max_pinned_kv_fraction}")

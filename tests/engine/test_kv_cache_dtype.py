@@ -12,6 +12,7 @@ import torch
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
+from serval.runner.attention.backend import kv_cache_dtype
 from serval.sampling import SamplingParams
 from tests.fixtures.kernels import require_kernels
 from tests.fixtures.triton_interpreter import triton_interpreter  # noqa: F401 (a fixture)
@@ -103,7 +104,16 @@ def test_the_triton_backend_is_refused_with_an_8bit_cache(tiny_model_factory, tr
         _engine(directory, "triton", "fp8_e5m2")
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "float16"])
 def test_other_cache_dtypes_are_refused(name):
     with pytest.raises(ValueError, match="fp8_e5m2"):
         CacheConfig(kv_cache_dtype=name)
+
+
+def test_fp8_names_e5m2_as_vllms_cpu_backend_takes_it():
+    assert (
+        kv_cache_dtype("fp8", torch.bfloat16)
+        == kv_cache_dtype("fp8_e5m2", torch.float32)
+        == torch.float8_e5m2
+    )
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16

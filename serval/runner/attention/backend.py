@@ -193,7 +193,7 @@ FP8_DTYPES = (torch.float8_e5m2,)
 
 def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """CacheConfig.kv_cache_dtype's tensor dtype: "auto" keeps the compute dtype."""
-    return torch.float8_e5m2 if name == "fp8_e5m2" else compute_dtype
+    return torch.float8_e5m2 if name in ("fp8", "fp8_e5m2") else compute_dtype
 
 
 def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
