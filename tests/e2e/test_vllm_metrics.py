@@ -122,5 +122,7 @@ def test_cache_config_info_matches_the_model_info(server):
     info = dict(info_labels)
     assert cache["model_name"] == info["model"] == server.model
     assert int(cache["block_size"]) * int(cache["num_gpu_blocks"]) == int(info["kv_cache_tokens"])
-    assert cache["cache_dtype"] == info["kv_cache_dtype"] == info["dtype"]  # an "auto" cache: the compute dtype
+    assert (
+        cache["cache_dtype"] == info["kv_cache_dtype"] == info["dtype"]
+    )  # an "auto" cache: the compute dtype
     assert samples[(name, labels)] == 1.0
