@@ -6,7 +6,12 @@ turns, `--steps` decode steps at a time for `--rounds` rounds, so that a shared 
 Printed: one JSON line per cache dtype (the median step in ms and its 10th percentile, tokens/s at the median),
 then the ratio of the medians (8-bit over the compute dtype's).
 
+--kernel times the decode attention kernel alone instead: `--batch-size` sequences of `--context` tokens (the
+default model's 9 heads over 3 kv heads of 64), every layer's K/V its own memory, three models' worth so that
+they come from memory and not the L3 as in a served step, bf16 against the 8-bit cache in turns.
+
     .venv/bin/python bench/kv_cache_dtype.py --batch-size 64
+    .venv/bin/python bench/kv_cache_dtype.py --kernel --batch-size 64 --context 160
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import random
 import statistics
 import time
 
+import torch
+
 from serval import LLM, SamplingParams
+from serval.runner.kernels import load_cpu_kernels
 
 
 def prefilled(model: str | None, batch_size: int, max_tokens: int, kv_cache_dtype: str):
@@ -33,6 +41,36 @@ def prefilled(model: str | None, batch_size: int, max_tokens: int, kv_cache_dtyp
     return engine
 
 
+def kernel_times(batch_size: int, context: int, rounds: int) -> None:
+    kernels = load_cpu_kernels()
+    layers, copies, block_size, kv_heads, head_dim = 30, 3, 16, 3, 64
+    blocks = batch_size * ((context + block_size - 1) // block_size)
+    tables = torch.randperm(blocks).view(batch_size, -1)
+    lengths = torch.full((batch_size,), context, dtype=torch.long)
+    q = torch.randn(batch_size, 3 * kv_heads, head_dim).to(torch.bfloat16)
+    caches = {}
+    for dtype in (torch.bfloat16, torch.float8_e5m2):
+        shape = (blocks, block_size, kv_heads, head_dim)
+        caches[dtype] = [
+            (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers * copies)
+        ]
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in caches}
+    for _ in range(rounds * 4):
+        for dtype, layer_caches in caches.items():
+            start = time.perf_counter()
+            for k_cache, v_cache in layer_caches:
+                kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, head_dim**-0.5)
+            times[dtype].append((time.perf_counter() - start) * 1e3 / copies)
+    for dtype, measured in times.items():
+        ms = statistics.median(measured)
+        print(json.dumps({
+            "bench": "kv_cache_dtype", "kernel": "paged_decode_attention", "kv_cache_dtype": str(dtype)[6:],
+            "kernels": kernels.variant, "threads": torch.get_num_threads(), "batch_size": batch_size,
+            "context": context, "layers": layers, "median_ms": round(ms, 3),
+            "kv_gb_s": round(2 * layers * batch_size * context * kv_heads * head_dim * dtype.itemsize / ms / 1e6, 1),
+        }))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -42,7 +80,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="decode steps an engine takes per turn")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--kv-cache-dtype", default="fp8_e5m2", help="the 8-bit cache compared")
+    parser.add_argument("--kernel", action="store_true", help="the decode attention kernel alone")
+    parser.add_argument("--context", type=int, default=160, help="--kernel's tokens a sequence")
     args = parser.parse_args()
+    if args.kernel:
+        kernel_times(args.batch_size, args.context, args.rounds)
+        return
     max_tokens = args.steps * args.rounds + 8
     engines = {
         name: prefilled(args.model, args.batch_size, max_tokens, name)
