@@ -12,7 +12,8 @@ import torch
 
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
-from serval.runner.attention.backend import StepAttention, StepLayout, cache_storage, kv_cache_dtype
+from serval.runner.attention.backend import StepAttention, StepLayout
+from serval.runner.attention.cache_dtype import cache_storage, kv_cache_dtype
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.cuda_graph import decode_graphs_for

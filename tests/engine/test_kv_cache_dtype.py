@@ -12,7 +12,7 @@ import torch
 
 from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from serval.engine.engine import Engine
-from serval.runner.attention.backend import kv_cache_dtype
+from serval.runner.attention.cache_dtype import kv_cache_dtype
 from serval.sampling import SamplingParams
 from tests.fixtures.kernels import require_kernels
 from tests.fixtures.triton_interpreter import triton_interpreter  # noqa: F401 (a fixture)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serval.runner.attention.backend import store_rows
+from serval.runner.attention.cache_dtype import store_rows
 from tests.runner.test_attention import GPT_OSS
 
 # Values at the format's edges: zeros, subnormals of e5m2 (below 2^-14) and of nothing (below 2^-17, which

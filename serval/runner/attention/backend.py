@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from serval.runner.attention.cache_dtype import store_rows
+
 
 @dataclass(frozen=True)
 class StepLayout:
@@ -173,32 +175,6 @@ def write_new_kv(
     """The step's new K/V rows into their cache slots (every backend over the flat slot layout does this first)."""
     store_rows(k, k_cache, slot_mapping)
     store_rows(v, v_cache, slot_mapping)
-
-
-def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """rows into cache[slot_mapping], rounded to the cache's dtype where it is narrower (an 8-bit cache: torch's
-    rounding, which the native kernels' writes equal). index_copy_ is several times cheaper than index_put."""
-    if rows.dtype != cache.dtype:
-        rows = rows.to(cache.dtype)
-    cache_storage(cache).index_copy_(0, slot_mapping, cache_storage(rows))
-
-
-def cache_storage(t: torch.Tensor) -> torch.Tensor:
-    """t, or an 8-bit float t's bytes: torch has no CPU index_copy_ for fp8, and a copy by bytes is the same."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
-FP8_DTYPES = (torch.float8_e5m2,)
-
-
-def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """CacheConfig.kv_cache_dtype's tensor dtype: "auto" keeps the compute dtype."""
-    return torch.float8_e5m2 if name in ("fp8", "fp8_e5m2") else compute_dtype
-
-
-def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows in the compute dtype (an 8-bit cache's values widen exactly)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:

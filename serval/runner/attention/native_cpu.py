@@ -18,9 +18,9 @@ from serval.runner.attention.backend import (
     StepLayout,
     context_slots,
     new_token_slots,
-    store_rows,
     write_new_kv,
 )
+from serval.runner.attention.cache_dtype import store_rows
 
 _NO_SINKS = torch.empty(0)  # the kernels' "no sink logits"
 

@@ -18,10 +18,9 @@ from serval.runner.attention.backend import (
     StepLayout,
     context_slots,
     new_token_slots,
-    store_rows,
-    widened,
     write_new_kv,
 )
+from serval.runner.attention.cache_dtype import as_cached, store_rows, widened
 
 
 @dataclass(frozen=True)
@@ -147,10 +146,3 @@ def attend(
     sink_column = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     return (probs @ v).to(q.dtype)
-
-
-def as_cached(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """The step's new K/V rows as the cache holds them: rounded through an 8-bit cache's dtype, so that a prompt's
-    own keys are the values its later decodes read back (what the native kernels see: they read every key from
-    the cache)."""
-    return new if cache.dtype == new.dtype else new.to(cache.dtype).to(new.dtype)

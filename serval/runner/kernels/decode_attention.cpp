@@ -14,6 +14,11 @@
 // sum of V go in the same order: a query's output is bitwise the one a prefill chunk gives it (batch
 // invariance).
 //
+// The cache holds q's dtype or, with `--kv-cache-dtype fp8_e5m2`, one byte a value (K below: the cache's type):
+// rows are widened to fp32 exactly as they are loaded, so an 8-bit cache's output is bitwise what its values
+// widened to q's dtype give, and half the bytes are read (a 64-sequence step at 160 tokens, 30 layers, AMD
+// family 26: 8.8 -> 5.8-6.0 ms, `bench/kv_cache_dtype.py --kernel`).
+//
 // Multi-head latent attention (DeepSeek's MLA, absorbed): value_dim < head_dim, k_cache and v_cache the same
 // tensor of one "kv head" whose row is [latent, roped key part]; a token's value is the first value_dim values
 // of its key row. The same tiles and orders as above: the latent size 512 + 64 (every DeepSeek-V2/V3 and Kimi
