@@ -64,7 +64,7 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")  # "fp8": e5m2, as vLLM's CPU backend reads it
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")  # "fp8": e5m2, as vLLM's CPU backend reads it
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,11 @@ class CacheConfig:
     # Most of the KV cache explicit prompt caching (cache_control) may pin. The rest always stays free for
     # running requests, so the context limit shrinks by it; pins need the prefix cache, without it none.
     max_pinned_kv_fraction: float = 0.25
-    # What the KV cache holds: "auto", the model's compute dtype; "fp8_e5m2" (or "fp8", as vLLM's CPU backend
-    # takes it), one byte a value: twice the tokens in the same memory and half the bytes a decode step's
-    # attention reads, at the cost of rounding K and V to 2 mantissa bits (docs/benchmarks.md has the loss).
+    # What the KV cache holds (runner/attention/cache_dtype.py): "auto", the model's compute dtype; one byte a
+    # value, so twice a bf16 cache's tokens in the same memory and half the bytes a decode step's attention
+    # reads: "fp8_e5m2" (or "fp8", as vLLM's CPU backend takes it), each value rounded to 2 mantissa bits;
+    # "int8", each row of head_dim values as codes and one scale (4 bytes more a row), far closer to the
+    # compute dtype (docs/benchmarks.md has both losses).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

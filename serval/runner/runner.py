@@ -13,7 +13,7 @@ import torch
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention.backend import StepAttention, StepLayout
-from serval.runner.attention.cache_dtype import cache_storage, kv_cache_dtype
+from serval.runner.attention.cache_dtype import cache_storage, kv_cache_dtype, row_width
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.cuda_graph import decode_graphs_for
@@ -62,6 +62,14 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(
             self.device, kernels, model_config.attention_backend
         )
+        if (
+            self.kv_cache_dtype == torch.int8
+            and self.attention_backend.name == "sdpa"
+            and self.model.kv_cache_spec(self.arch).is_latent
+        ):
+            raise ValueError(
+                "kv_cache_dtype='int8' with latent attention (MLA) runs on the native-cpu backend"
+            )
         if self.kv_cache_dtype != self.dtype and self.attention_backend.name == "triton":
             raise ValueError(
                 f"kv_cache_dtype={cache_config.kv_cache_dtype!r} runs on the native-cpu and sdpa attention "
@@ -248,7 +256,9 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         a = self.full_arch
-        values = self.model.kv_cache_spec(a).values_per_token()
+        spec = self.model.kv_cache_spec(a)
+        rows = spec.values_per_token() // spec.head_dim  # (K and V, or a latent) rows of kv heads a token
+        values = rows * row_width(spec.head_dim, self.kv_cache_dtype)
         return a.num_layers * self.block_size * values * self.kv_cache_dtype.itemsize
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
@@ -261,7 +271,8 @@ class ModelRunner:
         """Each layer's (k_cache, v_cache) as the model's KvCacheSpec says; a latent cache (MLA) is one
         tensor, the same object in both places. num_spare_blocks: past the engine's (CUDA graphs' padding)."""
         spec = self.model.kv_cache_spec(self.arch)
-        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, spec.num_kv_heads, spec.head_dim)
+        width = row_width(spec.head_dim, self.kv_cache_dtype)  # an int8 cache's rows end in their scale
+        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, spec.num_kv_heads, width)
         caches = []
         for _ in range(self.arch.num_layers):
             k_cache = self._zeros(shape)

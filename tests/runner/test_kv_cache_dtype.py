@@ -1,13 +1,14 @@
-"""An 8-bit KV cache (`--kv-cache-dtype fp8_e5m2`) in the native kernels, every instruction-set variant: the cache
-writes round each value exactly as torch's `.to(torch.float8_e5m2)` does, and the attention kernels read an
-8-bit cache as they read the same values widened to the compute dtype, bit for bit."""
+"""8-bit KV caches in the native kernels, every instruction-set variant: the cache writes give exactly the bytes
+of the PyTorch path (fp8 e5m2: torch's `.to(torch.float8_e5m2)`; int8 rows: cache_dtype.quantize_rows' codes
+and scale), and the attention kernels read an 8-bit cache as they read its values widened (fp8: to q's dtype;
+int8: code * scale in fp32), bit for bit; decode stays bitwise equal to prefill over an int8 cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from serval.runner.attention.cache_dtype import store_rows
+from serval.runner.attention.cache_dtype import dequantize_rows, quantize_rows, store_rows
 from tests.runner.test_attention import GPT_OSS
 
 # Values at the format's edges: zeros, subnormals of e5m2 (below 2^-14) and of nothing (below 2^-17, which
@@ -49,29 +50,68 @@ def test_cache_writes_round_as_torch_does(kernels, dtype):
     assert torch.equal(_cache_bytes(torch_cache), _cache_bytes(narrow_cache))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 48, 30])  # 30: the vector loops' tails
+def test_int8_rows_are_the_pytorch_paths_bytes(kernels, dtype, head_dim):
+    torch.manual_seed(head_dim)
+    # Rows from 1e-4 to 1e2 in scale (ties at x / scale = k + 0.5 are common in bf16), and a row of zeros.
+    rows = (torch.randn(300, 3, head_dim) * torch.logspace(-4, 2, 300).view(300, 1, 1)).to(dtype)
+    rows[7] = 0
+    cache = torch.zeros(320, 3, head_dim + 4, dtype=torch.int8)
+    slots = torch.randperm(320)[:300]
+    kernels.store_cache_rows(rows, cache, slots)
+    assert torch.equal(cache[slots], quantize_rows(rows))
+    torch_cache = torch.zeros_like(cache)
+    store_rows(rows, torch_cache, slots)
+    assert torch.equal(torch_cache, cache)
+    # Each value within half a code of its row's scale; the zero row's scale and codes are zero.
+    error = (dequantize_rows(cache[slots]) - rows.float()).abs()
+    assert (error <= rows.float().abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
+    assert not cache[slots[7]].any()
+
+
 def test_a_cache_of_another_dtype_is_refused(kernels):
     rows = torch.randn(2, 3, 16)
     with pytest.raises(RuntimeError, match="fp8 e5m2"):
         kernels.store_cache_rows(rows, torch.zeros(4, 3, 16, dtype=torch.float16), torch.tensor([0, 1]))
     q = torch.randn(1, 6, 32)
     cache = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="q's dtype or fp8 e5m2"):
+    with pytest.raises(RuntimeError, match="q's dtype, fp8 e5m2 or int8 rows"):
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([3]), 0.1)
+    narrow_int8 = torch.zeros(4, 16, 2, 32, dtype=torch.int8)  # rows without their scale's 4 bytes
+    with pytest.raises(RuntimeError, match="4 bytes of scale"):
+        kernels.paged_decode_attention(
+            q, narrow_int8, narrow_int8, torch.tensor([[0]]), torch.tensor([3]), 0.1
+        )
+    with pytest.raises(RuntimeError, match="4 bytes wider"):
+        kernels.store_cache_rows(rows, torch.zeros(4, 3, 16, dtype=torch.int8), torch.tensor([0, 1]))
+
+
+def _caches(kind: str, dtype: torch.dtype, shape: tuple[int, ...]):
+    """(k, v) 8-bit caches of `kind` and the same values widened: to q's dtype (fp8, exact), or to fp32 (int8
+    rows, code * scale: the kernels' own products, which q's dtype need not hold)."""
+    k, v = torch.randn(shape) * 2, torch.randn(shape)
+    if kind == "fp8_e5m2":
+        k, v = k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)
+        return k, v, k.to(dtype), v.to(dtype)
+    k, v = quantize_rows(k), quantize_rows(v)
+    return k, v, dequantize_rows(k), dequantize_rows(v)
 
 
 @pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48: both kernels' plain paths
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_reads_an_8bit_cache_as_its_widened_values(kernels, head_dim, dtype, attention):
-    """Decode (a batch of many sequences) and prefill (chunks after cached prefixes) over an fp8 cache give
-    bitwise what they give over the same values widened to q's dtype: the widening is exact, and the
-    arithmetic is the 16/32-bit path's."""
+@pytest.mark.parametrize(("kind", "dtype"), [("fp8_e5m2", torch.float32), ("fp8_e5m2", torch.bfloat16),
+                                             ("int8", torch.float32)])  # fmt: skip
+def test_attention_reads_an_8bit_cache_as_its_widened_values(kernels, head_dim, kind, dtype, attention):
+    """Decode (a batch of many sequences) and prefill (chunks after cached prefixes) over an 8-bit cache give
+    bitwise what they give over the same values widened: the widening is the kernels' own, and the arithmetic
+    after it is the 16/32-bit path's."""
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size = 6, 2, 16
     num_seqs = 8 * torch.get_num_threads() + 3
-    cache_8bit = (torch.randn(num_seqs * 6, block_size, num_kv_heads, head_dim) * 2).to(torch.float8_e5m2)
-    values_8bit = torch.randn_like(cache_8bit, dtype=torch.float32).to(torch.float8_e5m2)
-    k_wide, v_wide = cache_8bit.to(dtype), values_8bit.to(dtype)
+    cache_8bit, values_8bit, k_wide, v_wide = _caches(
+        kind, dtype, (num_seqs * 6, block_size, num_kv_heads, head_dim)
+    )
     tables = torch.randperm(num_seqs * 6).view(num_seqs, 6)
     lengths = torch.randint(1, 6 * block_size, (num_seqs,))
     q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
@@ -99,16 +139,48 @@ def test_attention_reads_an_8bit_cache_as_its_widened_values(kernels, head_dim, 
     assert torch.equal(prefill(cache_8bit, values_8bit), prefill(k_wide, v_wide))
 
 
-def test_latent_attention_reads_an_8bit_cache(kernels):
-    """MLA's absorbed attention (a 576-wide latent row, its first 512 the value) over one 8-bit tensor."""
+@pytest.mark.parametrize("kind", ["fp8_e5m2", "int8"])
+def test_latent_attention_reads_an_8bit_cache(kernels, kind):
+    """MLA's absorbed attention (a 576-wide latent row, its first 512 the value; an int8 row's scale after all
+    576) over one 8-bit tensor."""
     torch.manual_seed(5)
-    latent_8bit = torch.randn(24, 16, 1, 576).to(torch.float8_e5m2)
+    dtype = torch.bfloat16 if kind == "fp8_e5m2" else torch.float32
+    latent_8bit, _, wide, _ = _caches(kind, dtype, (24, 16, 1, 576))
     tables = torch.randperm(24).view(4, 6)
     lengths = torch.tensor([1, 17, 50, 96])
-    q = torch.randn(4, 8, 576).to(torch.bfloat16)
-    wide = latent_8bit.to(torch.bfloat16)
+    q = torch.randn(4, 8, 576).to(dtype)
     got = kernels.paged_decode_attention(
         q, latent_8bit, latent_8bit, tables, lengths, 0.05, 0, torch.empty(0), 512
     )
     want = kernels.paged_decode_attention(q, wide, wide, tables, lengths, 0.05, 0, torch.empty(0), 512)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("head_dim", [48, 64])  # 48: the plain paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_over_an_int8_cache_is_answered_alike_decoded_or_in_a_prefill_chunk(kernels, head_dim, dtype):
+    """Batch invariance over int8 rows: both kernels widen a row with the same products."""
+    torch.manual_seed(head_dim)
+    num_heads, num_kv_heads, block_size, length = 6, 2, 16, 70
+    k_cache = quantize_rows(torch.randn(16, block_size, num_kv_heads, head_dim))
+    v_cache = quantize_rows(torch.randn(16, block_size, num_kv_heads, head_dim))
+    table = torch.randperm(16)[:5].unsqueeze(0)
+    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    whole = torch.zeros(length, num_heads, head_dim, dtype=dtype)
+    kernels.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor([0]),
+        torch.tensor([length]),
+        torch.tensor([length]),
+        scale,
+        whole,
+    )
+    decoded = torch.cat([
+        kernels.paged_decode_attention(q[i : i + 1].contiguous(), k_cache, v_cache, table, torch.tensor([i + 1]), scale)
+        for i in range(length)
+    ])  # fmt: skip
+    assert torch.equal(decoded, whole)

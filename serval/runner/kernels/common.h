@@ -122,15 +122,70 @@ inline void parallel_task_runs(int64_t n, int64_t max_run, const F& f) {
   }
 }
 
-// f(Q{}, K{}) for the attention kernels' query and output dtype Q and their cache's dtype K: the cache holds q's
-// dtype, or fp8 e5m2 (an 8-bit KV cache, `--kv-cache-dtype fp8_e5m2`), widened exactly as it is read.
+// A row of an int8 KV cache (`--kv-cache-dtype int8`): head_dim codes, then the row's fp32 scale in the next
+// 4 bytes; a value is code * scale. The kernels take it as the cache's element type, so that a row's offsets
+// count bytes, and widen it through load_cache_row and CacheRow below.
+struct Int8Row {
+  int8_t code;
+};
+constexpr int64_t kInt8RowScaleBytes = 4;
+
+// Bytes or elements a cache row takes beyond its head_dim values.
+template <typename K>
+constexpr int64_t row_extra() { return std::is_same_v<K, Int8Row> ? kInt8RowScaleBytes : 0; }
+
+inline float int8_row_scale(const Int8Row* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(scale));
+  return scale;
+}
+
+// n values of a cache row (whose full width is head_dim values) as fp32: widened exactly, or an int8 row's
+// codes times its scale (one product each, the same wherever a kernel widens a row: batch invariance).
+template <typename K>
+inline void load_cache_row(const K* row, float* dst, int64_t n, int64_t head_dim) {
+  if constexpr (std::is_same_v<K, Int8Row>) {
+    const auto* codes = reinterpret_cast<const int8_t*>(row);
+    const float scale = int8_row_scale(row, head_dim);
+    const simd::Vec s = simd::set1(scale);
+    int64_t i = 0;
+    for (; i + simd::kWidth <= n; i += simd::kWidth) simd::store(dst + i, simd::mul(simd::load(codes + i), s));
+    for (; i < n; ++i) dst[i] = static_cast<float>(codes[i]) * scale;
+  } else {
+    load_row(row, dst, n);
+  }
+}
+
+// One cache row read a vector at a time (the V pass, straight from the cache): load(i) is the W values at i.
+template <typename K, int64_t D>
+struct CacheRow {
+  const K* row;
+  explicit CacheRow(const K* r) : row(r) {}
+  simd::Vec load(int64_t i) const { return simd::load(row + i); }
+};
+template <int64_t D>
+struct CacheRow<Int8Row, D> {
+  const int8_t* codes;
+  simd::Vec scale;
+  explicit CacheRow(const Int8Row* r)
+      : codes(reinterpret_cast<const int8_t*>(r)), scale(simd::set1(int8_row_scale(r, D))) {}
+  simd::Vec load(int64_t i) const { return simd::mul(simd::load(codes + i), scale); }
+};
+
+// f(Q{}, K{}) for the attention kernels' query and output dtype Q and their cache's row type K: the cache holds
+// q's dtype, fp8 e5m2 (`--kv-cache-dtype fp8_e5m2`, widened exactly as it is read) or int8 rows with a scale
+// each (`int8`, Int8Row). head_dim: q's; the cache's rows must be that wide, plus an int8 row's scale.
 template <typename F>
 void with_attention_types(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
-              "the KV cache: q's dtype or fp8 e5m2, K and V alike");
+  const auto cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e5m2, int8 = cache_type == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && (fp8 || int8 || cache_type == q.scalar_type()),
+              "the KV cache: q's dtype, fp8 e5m2 or int8 rows, K and V alike");
+  TORCH_CHECK(k_cache.size(-1) == q.size(-1) + (int8 ? kInt8RowScaleBytes : 0),
+              "cache rows of q's head_dim (an int8 cache's: and 4 bytes of scale)");
   const auto with_cache = [&](auto query) {
     if (fp8) f(query, at::Float8_e5m2{});
+    else if (int8) f(query, Int8Row{});
     else f(query, query);
   };
   if (q.scalar_type() == at::kFloat) with_cache(float{});

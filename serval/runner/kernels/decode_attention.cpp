@@ -14,9 +14,10 @@
 // sum of V go in the same order: a query's output is bitwise the one a prefill chunk gives it (batch
 // invariance).
 //
-// The cache holds q's dtype or, with `--kv-cache-dtype fp8_e5m2`, one byte a value (K below: the cache's type):
-// rows are widened to fp32 exactly as they are loaded, so an 8-bit cache's output is bitwise what its values
-// widened to q's dtype give, and half the bytes are read (a 64-sequence step at 160 tokens, 30 layers, AMD
+// The cache holds q's dtype or, with `--kv-cache-dtype fp8_e5m2` or `int8`, one byte a value (K below: the cache's
+// row type; an int8 row ends in its scale, common.h's Int8Row): rows are widened to fp32 as they are loaded (fp8
+// exactly, int8 as code * scale, the same products in both kernels), so an 8-bit cache's output is bitwise what
+// its widened values give, and about half the bytes are read (a 64-sequence step at 160 tokens, 30 layers, AMD
 // family 26: 8.8 -> 5.8-6.0 ms, `bench/kv_cache_dtype.py --kernel`).
 //
 // Multi-head latent attention (DeepSeek's MLA, absorbed): value_dim < head_dim, k_cache and v_cache the same
@@ -43,7 +44,7 @@ template <typename T>
 void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const Context& c, float sink,
                        int64_t head_dim, int64_t value_dim, float* scores, float* row, float* out) {
   for (int64_t t = 0; t < c.len; ++t) {
-    load_row(k_cache + c.rows[t], row, head_dim);
+    load_cache_row(k_cache + c.rows[t], row, head_dim, head_dim);
     scores[t] = dot(q, row, head_dim) * c.scale;
   }
   float m = sink;
@@ -52,7 +53,7 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
   for (int64_t t = 0; t < c.len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
   std::fill(out, out + value_dim, 0.0f);
   for (int64_t t = 0; t < c.len; ++t) {
-    load_row(v_cache + c.rows[t], row, value_dim);
+    load_cache_row(v_cache + c.rows[t], row, value_dim, head_dim);
     axpy(scores[t] / sum, row, out, value_dim);
   }
 }
@@ -63,7 +64,7 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
 // same data hot in the L3: 7.2 ms).
 template <typename T, int D>
 inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  constexpr int64_t kRowBytes = D * sizeof(T);
+  constexpr int64_t kRowBytes = D * sizeof(T) + row_extra<T>();  // an int8 row's scale is in its last bytes
   for (int64_t t = begin; t < end; ++t) {
     const char* p = reinterpret_cast<const char*>(cache + rows[t]);
     for (int64_t b = 0; b < kRowBytes; b += 64) simd::prefetch(p + b);
@@ -106,9 +107,9 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
   const int64_t ask_from = kNextAsked - c.skip, ask_end = ask_ahead ? c.next_len : 0;
   for (int64_t t = c.skip; t < c.len; ++t) {
     if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1);
-    const T* v = v_cache + c.rows[t] + W * c0;
+    const CacheRow<T, D> v(v_cache + c.rows[t]);
     Vec row[CB];
-    for (int i = 0; i < CB; ++i) row[i] = simd::load(v + W * i);
+    for (int i = 0; i < CB; ++i) row[i] = v.load(W * (c0 + i));
     for (int h = 0; h < NH; ++h) {
       const Vec p = simd::set1(weights[h][t]);
       for (int i = 0; i < CB; ++i) acc[h][i] = simd::fmadd(p, row[i], acc[h][i]);
@@ -143,7 +144,7 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
     // The K rows a tile on, and this tile's V rows for pass 2.
     prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
     prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
-    for (int64_t i = 0; i < tile; ++i) load_row(k_cache + c.rows[t0 + i], keys + i * D, D);
+    for (int64_t i = 0; i < tile; ++i) load_cache_row(k_cache + c.rows[t0 + i], keys + i * D, D, D);
     for (int64_t h = 0; h < group; ++h) {
       Vec qv[C];
       for (int i = 0; i < C; ++i) qv[i] = simd::load(q + h * D + W * i);
@@ -224,14 +225,15 @@ void decode_attention_impl(
   T* out_ptr = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
+  const int64_t row_width = k_cache.size(3);  // head_dim, and an int8 row's scale
+  const int64_t slot_stride = num_kv_heads * row_width;  // elements between consecutive tokens
   const int64_t block_stride = block_size * slot_stride;
 
   // The visible rows of a (sequence, kv head) from token `first` up to `end`: each token's row offset, found
   // once per task (a division per token costs more than its math).
   const auto fill_rows = [&](int64_t seq, int64_t kv_head, int64_t first, int64_t end, int64_t* out) {
     for (int64_t b = first / block_size, t0 = b * block_size; t0 < end; ++b, t0 += block_size) {
-      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
+      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * row_width;
       for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < end; ++i)
         out[t0 + i - first] = offset + i * slot_stride;
     }
@@ -298,8 +300,8 @@ at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
     at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks, int64_t value_dim) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2),
-              "k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) of q's head_dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)");
   if (value_dim == 0) value_dim = q.size(2);
   TORCH_CHECK(value_dim > 0 && value_dim <= q.size(2), "value_dim: at most head_dim (0: head_dim)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,

@@ -40,6 +40,7 @@ struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, value_dim;
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   int64_t block_size, max_blocks, slot_stride, block_stride;
+  int64_t row_width;  // a cache row's elements: head_dim, and an int8 row's scale
   float scale;
   int64_t window;      // 0: a row sees its whole context
   const float* sinks;  // per query head, or null
@@ -64,7 +65,7 @@ struct Scratch {
 
 // The K/V cache row of context token t of one kv head, as an element offset.
 inline int64_t cache_row(const Sequence& s, const Layout& l, int64_t kv_head, int64_t t) {
-  return s.block_table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.slot_stride + kv_head * l.head_dim;
+  return s.block_table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.slot_stride + kv_head * l.row_width;
 }
 
 template <typename T>
@@ -85,8 +86,8 @@ void attend_task_plain(const T* q, const K* k_cache, const K* v_cache, T* out, c
   scratch.scores.resize(num_keys + DV);  // scores, then one output row
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_row(k_cache + row, scratch.keys.data() + t * D, D);
-    load_row(v_cache + row, scratch.values.data() + t * DV, DV);
+    load_cache_row(k_cache + row, scratch.keys.data() + t * D, D, D);
+    load_cache_row(v_cache + row, scratch.values.data() + t * DV, DV, D);
   }
   float* scores = scratch.scores.data();
   float* acc = scores + num_keys;
@@ -137,8 +138,8 @@ void attend_task(const T* q, const K* k_cache, const K* v_cache, T* out, const S
   float row_buffer[R * DV];  // the R rows' outputs, a chunk at a time
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_row(k_cache + row, keys + t * D, D);
-    load_row(v_cache + row, values + t * DV, DV);
+    load_cache_row(k_cache + row, keys + t * D, D, D);
+    load_cache_row(v_cache + row, values + t * DV, DV, D);
   }
   const Vec scale = simd::set1(l.scale);
   const Vec minus_infinity = simd::set1(-INFINITY);
@@ -223,8 +224,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const Layout l{
       q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), out.size(2),
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-      k_cache.size(1), block_tables.size(1), k_cache.size(2) * q.size(2), k_cache.size(1) * k_cache.size(2) * q.size(2),
-      static_cast<float>(scale), window, sinks};
+      k_cache.size(1), block_tables.size(1), k_cache.size(2) * k_cache.size(3),
+      k_cache.size(1) * k_cache.size(2) * k_cache.size(3), k_cache.size(3), static_cast<float>(scale), window, sinks};
   const int64_t num_seqs = query_lens.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   std::vector<Sequence> seqs(num_seqs);
@@ -275,8 +276,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache, v_cache: contiguous (num_blocks, block_size, num_kv_heads, head_dim)");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
-              "num_heads must be a multiple of num_kv_heads, head sizes equal");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out in q's dtype");
   for (const auto* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "tables and lengths: contiguous int64");
