@@ -8,7 +8,7 @@ then the ratio of the medians (8-bit over the compute dtype's).
 
 --kernel times the decode attention kernel alone instead: `--batch-size` sequences of `--context` tokens (the
 default model's 9 heads over 3 kv heads of 64), every layer's K/V its own memory, three models' worth so that
-they come from memory and not the L3 as in a served step, bf16 against the 8-bit cache in turns.
+they come from memory and not the L3 as in a served step, bf16 against both 8-bit caches in turns.
 
     .venv/bin/python bench/kv_cache_dtype.py --batch-size 64
     .venv/bin/python bench/kv_cache_dtype.py --kernel --batch-size 64 --context 160
@@ -25,6 +25,7 @@ import time
 import torch
 
 from serval import LLM, SamplingParams
+from serval.runner.attention.cache_dtype import quantize_rows
 from serval.runner.kernels import load_cpu_kernels
 
 
@@ -48,26 +49,32 @@ def kernel_times(batch_size: int, context: int, rounds: int) -> None:
     tables = torch.randperm(blocks).view(batch_size, -1)
     lengths = torch.full((batch_size,), context, dtype=torch.long)
     q = torch.randn(batch_size, 3 * kv_heads, head_dim).to(torch.bfloat16)
-    caches = {}
-    for dtype in (torch.bfloat16, torch.float8_e5m2):
-        shape = (blocks, block_size, kv_heads, head_dim)
-        caches[dtype] = [
-            (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers * copies)
-        ]
-    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in caches}
+    shape = (blocks, block_size, kv_heads, head_dim)
+    as_kind = {
+        "bfloat16": lambda t: t.to(torch.bfloat16),
+        "fp8_e5m2": lambda t: t.to(torch.float8_e5m2),
+        "int8": quantize_rows,  # rows of codes and their scale
+    }
+    caches = {
+        kind: [(to_kind(torch.randn(shape)), to_kind(torch.randn(shape))) for _ in range(layers * copies)]
+        for kind, to_kind in as_kind.items()
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in caches}
     for _ in range(rounds * 4):
-        for dtype, layer_caches in caches.items():
+        for kind, layer_caches in caches.items():
             start = time.perf_counter()
             for k_cache, v_cache in layer_caches:
                 kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, head_dim**-0.5)
-            times[dtype].append((time.perf_counter() - start) * 1e3 / copies)
-    for dtype, measured in times.items():
+            times[kind].append((time.perf_counter() - start) * 1e3 / copies)
+    for kind, measured in times.items():
         ms = statistics.median(measured)
+        cache_bytes = 2 * layers * batch_size * context * kv_heads * caches[kind][0][0].shape[-1]
+        cache_bytes *= caches[kind][0][0].element_size()
         print(json.dumps({
-            "bench": "kv_cache_dtype", "kernel": "paged_decode_attention", "kv_cache_dtype": str(dtype)[6:],
+            "bench": "kv_cache_dtype", "kernel": "paged_decode_attention", "kv_cache_dtype": kind,
             "kernels": kernels.variant, "threads": torch.get_num_threads(), "batch_size": batch_size,
             "context": context, "layers": layers, "median_ms": round(ms, 3),
-            "kv_gb_s": round(2 * layers * batch_size * context * kv_heads * head_dim * dtype.itemsize / ms / 1e6, 1),
+            "kv_gb_s": round(cache_bytes / ms / 1e6, 1),
         }))  # fmt: skip
 
 
@@ -79,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10, help="decode steps an engine takes per turn")
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--kv-cache-dtype", default="fp8_e5m2", help="the 8-bit cache compared")
+    parser.add_argument("--kv-cache-dtype", default="int8", help="the 8-bit cache compared (int8, fp8_e5m2)")
     parser.add_argument("--kernel", action="store_true", help="the decode attention kernel alone")
     parser.add_argument("--context", type=int, default=160, help="--kernel's tokens a sequence")
     args = parser.parse_args()
