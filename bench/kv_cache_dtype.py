@@ -25,7 +25,7 @@ import time
 import torch
 
 from serval import LLM, SamplingParams
-from serval.runner.attention.cache_dtype import quantize_rows
+from serval.runner.attention.cache_dtype import int8_cache_of
 from serval.runner.kernels import load_cpu_kernels
 
 
@@ -50,10 +50,11 @@ def kernel_times(batch_size: int, context: int, rounds: int) -> None:
     lengths = torch.full((batch_size,), context, dtype=torch.long)
     q = torch.randn(batch_size, 3 * kv_heads, head_dim).to(torch.bfloat16)
     shape = (blocks, block_size, kv_heads, head_dim)
+
     as_kind = {
         "bfloat16": lambda t: t.to(torch.bfloat16),
         "fp8_e5m2": lambda t: t.to(torch.float8_e5m2),
-        "int8": quantize_rows,  # rows of codes and their scale
+        "int8": int8_cache_of,  # codes, and their rows' scales after them
     }
     caches = {
         kind: [(to_kind(torch.randn(shape)), to_kind(torch.randn(shape))) for _ in range(layers * copies)]
@@ -69,7 +70,7 @@ def kernel_times(batch_size: int, context: int, rounds: int) -> None:
     for kind, measured in times.items():
         ms = statistics.median(measured)
         cache_bytes = 2 * layers * batch_size * context * kv_heads * caches[kind][0][0].shape[-1]
-        cache_bytes *= caches[kind][0][0].element_size()
+        cache_bytes *= caches[kind][0][0].element_size()  # (an int8 cache's scales not counted)
         print(json.dumps({
             "bench": "kv_cache_dtype", "kernel": "paged_decode_attention", "kv_cache_dtype": kind,
             "kernels": kernels.variant, "threads": torch.get_num_threads(), "batch_size": batch_size,

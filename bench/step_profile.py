@@ -144,7 +144,10 @@ def main() -> None:
         "--batch-activations", default="auto", choices=["auto", "int8", "float32"], help="as serve's flag"
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2", "int8"], help="as serve's flag"
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e5m2", "int8"],
+        help="as serve's flag",
     )
     args = parser.parse_args()
     if args.prefill_tokens and args.prefill_tokens <= args.batch_size:

@@ -5,15 +5,12 @@ Tensors only. The engine decides what to compute; the runner computes it.
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention.backend import StepAttention, StepLayout
-from serval.runner.attention.cache_dtype import cache_storage, kv_cache_dtype, row_width
+from serval.runner.attention.cache_dtype import bytes_per_row, empty_cache, kv_cache_dtype, slot_views
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.cuda_graph import decode_graphs_for
@@ -258,8 +255,7 @@ class ModelRunner:
         a = self.full_arch
         spec = self.model.kv_cache_spec(a)
         rows = spec.values_per_token() // spec.head_dim  # (K and V, or a latent) rows of kv heads a token
-        values = rows * row_width(spec.head_dim, self.kv_cache_dtype)
-        return a.num_layers * self.block_size * values * self.kv_cache_dtype.itemsize
+        return a.num_layers * self.block_size * rows * bytes_per_row(spec.head_dim, self.kv_cache_dtype)
 
     def _blocks_for_budget(self, budget_bytes: int) -> int:
         num_blocks = budget_bytes // self._bytes_per_block()
@@ -271,8 +267,7 @@ class ModelRunner:
         """Each layer's (k_cache, v_cache) as the model's KvCacheSpec says; a latent cache (MLA) is one
         tensor, the same object in both places. num_spare_blocks: past the engine's (CUDA graphs' padding)."""
         spec = self.model.kv_cache_spec(self.arch)
-        width = row_width(spec.head_dim, self.kv_cache_dtype)  # an int8 cache's rows end in their scale
-        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, spec.num_kv_heads, width)
+        shape = ((self.num_blocks + num_spare_blocks) * self.block_size, spec.num_kv_heads, spec.head_dim)
         caches = []
         for _ in range(self.arch.num_layers):
             k_cache = self._zeros(shape)
@@ -280,16 +275,7 @@ class ModelRunner:
         return caches
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype = self.kv_cache_dtype
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        # NOTE: an anonymous mapping, not torch.zeros, which writes every byte: the OS hands out zero pages as
-        # slots are first written, so resident memory follows the blocks in use, not the budget. Not calloc
-        # either (numpy's zeros): once the loader has freed a large buffer, glibc serves allocations of up to
-        # 32 MB from its heap, and calloc then clears (touches) them: 1.2 -> 1.9 GB resident at start-up.
-        # The mapping is page-aligned, so a 128-byte K row spans two cache lines, not three.
-        num_bytes = dtype.itemsize * math.prod(shape)
-        return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
+        return empty_cache(shape, self.kv_cache_dtype, self.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer's K and V rows) from source to destination block ids."""
@@ -302,8 +288,8 @@ class ModelRunner:
         destination_rows = (destinations[:, None] * self.block_size + offsets).flatten()
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache,) if v_cache is k_cache else (k_cache, v_cache):
-                cache = cache_storage(cache)
-                cache.index_copy_(0, destination_rows, cache.index_select(0, source_rows))
+                for slots in slot_views(cache):  # an int8 cache's scales too
+                    slots.index_copy_(0, destination_rows, slots.index_select(0, source_rows))
 
     def _step_attention(self, batch: Batch) -> StepAttention:
         layout = StepLayout(

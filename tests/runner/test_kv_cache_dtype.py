@@ -1,14 +1,15 @@
 """8-bit KV caches in the native kernels, every instruction-set variant: the cache writes give exactly the bytes
-of the PyTorch path (fp8 e5m2: torch's `.to(torch.float8_e5m2)`; int8 rows: cache_dtype.quantize_rows' codes
-and scale), and the attention kernels read an 8-bit cache as they read its values widened (fp8: to q's dtype;
-int8: code * scale in fp32), bit for bit; decode stays bitwise equal to prefill over an int8 cache."""
+of the PyTorch path (fp8 e5m2: torch's `.to(torch.float8_e5m2)`; int8: cache_dtype.quantize_rows' codes and
+scales, the scales after the codes in the cache's buffer), and the attention kernels read an 8-bit cache as
+they read its values widened (fp8: to q's dtype; int8: code * scale in fp32), bit for bit; decode stays
+bitwise equal to prefill over an int8 cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from serval.runner.attention.cache_dtype import dequantize_rows, quantize_rows, store_rows
+from serval.runner.attention.cache_dtype import empty_cache, int8_cache_of, row_scales, store_rows, widened
 from tests.runner.test_attention import GPT_OSS
 
 # Values at the format's edges: zeros, subnormals of e5m2 (below 2^-14) and of nothing (below 2^-17, which
@@ -51,23 +52,29 @@ def test_cache_writes_round_as_torch_does(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 48, 30])  # 30: the vector loops' tails
+@pytest.mark.parametrize("head_dim", [64, 48, 28])  # 28: the vector loops' tails
 def test_int8_rows_are_the_pytorch_paths_bytes(kernels, dtype, head_dim):
     torch.manual_seed(head_dim)
     # Rows from 1e-4 to 1e2 in scale (ties at x / scale = k + 0.5 are common in bf16), and a row of zeros.
     rows = (torch.randn(300, 3, head_dim) * torch.logspace(-4, 2, 300).view(300, 1, 1)).to(dtype)
     rows[7] = 0
-    cache = torch.zeros(320, 3, head_dim + 4, dtype=torch.int8)
+    cpu = torch.device("cpu")
+    cache, torch_cache = (
+        empty_cache((320, 3, head_dim), torch.int8, cpu),
+        empty_cache((320, 3, head_dim), torch.int8, cpu),
+    )
     slots = torch.randperm(320)[:300]
     kernels.store_cache_rows(rows, cache, slots)
-    assert torch.equal(cache[slots], quantize_rows(rows))
-    torch_cache = torch.zeros_like(cache)
     store_rows(rows, torch_cache, slots)
-    assert torch.equal(torch_cache, cache)
-    # Each value within half a code of its row's scale; the zero row's scale and codes are zero.
-    error = (dequantize_rows(cache[slots]) - rows.float()).abs()
+    assert torch.equal(cache, torch_cache) and torch.equal(row_scales(cache), row_scales(torch_cache))
+    # Each value within half a code of its row's scale; the zero row's scale and codes are zero; the slots
+    # not written are still zero.
+    error = (widened(cache)[slots] - rows.float()).abs()
     assert (error <= rows.float().abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
-    assert not cache[slots[7]].any()
+    assert not cache[slots[7]].any() and not row_scales(cache)[slots[7]].any()
+    untouched = torch.ones(320, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].any() and not row_scales(cache)[untouched].any()
 
 
 def test_a_cache_of_another_dtype_is_refused(kernels):
@@ -78,12 +85,10 @@ def test_a_cache_of_another_dtype_is_refused(kernels):
     cache = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="q's dtype, fp8 e5m2 or int8 rows"):
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([3]), 0.1)
-    narrow_int8 = torch.zeros(4, 16, 2, 32, dtype=torch.int8)  # rows without their scale's 4 bytes
-    with pytest.raises(RuntimeError, match="4 bytes of scale"):
-        kernels.paged_decode_attention(
-            q, narrow_int8, narrow_int8, torch.tensor([[0]]), torch.tensor([3]), 0.1
-        )
-    with pytest.raises(RuntimeError, match="4 bytes wider"):
+    bare_int8 = torch.zeros(4, 16, 2, 32, dtype=torch.int8)  # codes without the scales after them
+    with pytest.raises(RuntimeError, match="a scale a row after them"):
+        kernels.paged_decode_attention(q, bare_int8, bare_int8, torch.tensor([[0]]), torch.tensor([3]), 0.1)
+    with pytest.raises(RuntimeError, match="a scale a row after them"):
         kernels.store_cache_rows(rows, torch.zeros(4, 3, 16, dtype=torch.int8), torch.tensor([0, 1]))
 
 
@@ -94,8 +99,8 @@ def _caches(kind: str, dtype: torch.dtype, shape: tuple[int, ...]):
     if kind == "fp8_e5m2":
         k, v = k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)
         return k, v, k.to(dtype), v.to(dtype)
-    k, v = quantize_rows(k), quantize_rows(v)
-    return k, v, dequantize_rows(k), dequantize_rows(v)
+    k, v = int8_cache_of(k), int8_cache_of(v)
+    return k, v, widened(k), widened(v)
 
 
 @pytest.mark.parametrize("attention", list(GPT_OSS))
@@ -162,8 +167,8 @@ def test_a_query_over_an_int8_cache_is_answered_alike_decoded_or_in_a_prefill_ch
     """Batch invariance over int8 rows: both kernels widen a row with the same products."""
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, length = 6, 2, 16, 70
-    k_cache = quantize_rows(torch.randn(16, block_size, num_kv_heads, head_dim))
-    v_cache = quantize_rows(torch.randn(16, block_size, num_kv_heads, head_dim))
+    k_cache = int8_cache_of(torch.randn(16, block_size, num_kv_heads, head_dim))
+    v_cache = int8_cache_of(torch.randn(16, block_size, num_kv_heads, head_dim))
     table = torch.randperm(16)[:5].unsqueeze(0)
     q = torch.randn(length, num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5

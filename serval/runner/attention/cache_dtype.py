@@ -1,22 +1,25 @@
 """What the KV cache holds: the compute dtype, or one byte a value (`CacheConfig.kv_cache_dtype`).
 
 - "fp8_e5m2" (or "fp8", as vLLM's CPU backend takes it): each value rounded to fp8 e5m2 (2 mantissa bits).
-- "int8": each (token, kv head) row of head_dim values as int8 codes and one fp32 scale (max |x| / 127) in
-  the row's 4 extra bytes, as llama.cpp's q8_0 cache keeps a scale a block: the row is the block. More precise
-  than e5m2 for the same bytes (docs/benchmarks.md); the cache's rows are 4 bytes wider than head_dim.
+- "int8": each (token, kv head) row of head_dim values as int8 codes and one fp32 scale (max |x| / 127), as
+  llama.cpp's q8_0 cache keeps a scale a block (the row is the block). The cache tensor holds the codes and
+  its buffer goes on past them with the scales, a row each in the rows' order (`row_scales`), so that every
+  path that moves slots of the tensor moves codes alone and a row stays head_dim bytes (one cache line at 64).
+  More precise than e5m2 for 4 more bytes a row (docs/benchmarks.md).
 
-Every write rounds the new K/V rows to the cache's form here (`store_rows`; the native kernels' `store_cache_rows`
-writes the same bytes), and every read widens them back (`widened`; the native kernels widen as they load, with
-the same products). A backend that attends over a prompt's fresh K/V instead of reading them back from the
-cache rounds them the same way first (`as_cached`), so that a prompt's own keys are the values its later
-decodes read: greedy output stays a function of the request, not of how its tokens were batched.
+Every write rounds the new K/V rows to the cache's form here (`store_rows`; the native kernels'
+`store_cache_rows` writes the same bytes), and every read widens them back (`gathered`; the native kernels widen
+as they load, with the same products). A backend that attends over a prompt's fresh K/V instead of reading them
+back from the cache rounds them the same way first (`as_cached`), so that a prompt's own keys are the values
+its later decodes read: greedy output stays a function of the request, not of how its tokens were batched.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+import mmap
 
-INT8_ROW_SCALE_BYTES = 4  # an int8 row's fp32 scale, after its codes
+import torch
 
 
 def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
@@ -27,53 +30,99 @@ def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     )
 
 
-def row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
-    """A cache row's elements: head_dim values, and an int8 row's scale."""
-    return head_dim + (INT8_ROW_SCALE_BYTES if cache_dtype == torch.int8 else 0)
+def bytes_per_row(head_dim: int, dtype: torch.dtype) -> int:
+    """A cache row's bytes: head_dim values, and an int8 row's scale."""
+    return head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+
+
+def empty_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor; an int8 one with its scales after it in the same buffer. On the CPU an anonymous
+    mapping, not torch.zeros, which writes every byte: the OS hands out zero pages as slots are first written,
+    so resident memory follows the blocks in use, not the budget. (Not calloc either: once the loader has freed
+    a large buffer, glibc serves allocations of up to 32 MB from its heap, and calloc then clears them.) The
+    mapping is page-aligned, so a 128-byte K row spans two cache lines, not three."""
+    num_values = math.prod(shape)
+    num_bytes = num_values * dtype.itemsize + (4 * num_values // shape[-1] if dtype == torch.int8 else 0)
+    if device.type != "cpu":
+        buffer = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+    else:
+        buffer = torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8)
+    return buffer[: num_values * dtype.itemsize].view(dtype).view(shape)
+
+
+def row_scales(cache: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's scales, (*cache.shape[:-1]) fp32: the buffer past its codes (empty_cache)."""
+    rows = cache.numel() // cache.shape[-1]
+    start = cache.storage_offset() + cache.numel()
+    scales = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+        cache.untyped_storage(), start, (rows * 4,)
+    )
+    return scales.view(torch.float32).view(cache.shape[:-1])
 
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """rows (n, heads, head_dim) into cache[slot_mapping], in the cache's form where it is narrower. index_copy_
     is several times cheaper than index_put."""
     if cache.dtype == torch.int8:
-        rows = quantize_rows(rows)
-    elif rows.dtype != cache.dtype:
+        codes, scales = quantize_rows(rows)
+        cache.index_copy_(0, slot_mapping, codes)
+        row_scales(cache).index_copy_(0, slot_mapping, scales)
+        return
+    if rows.dtype != cache.dtype:
         rows = rows.to(cache.dtype)
-    cache_storage(cache).index_copy_(0, slot_mapping, cache_storage(rows))
+    slot_views(cache)[0].index_copy_(0, slot_mapping, slot_views(rows)[0])
 
 
-def cache_storage(t: torch.Tensor) -> torch.Tensor:
-    """t, or an 8-bit float t's bytes: torch has no CPU index_copy_ for fp8, and a copy by bytes is the same."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e5m2 else t
+def slot_views(cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold a cache's slots, indexed alike on dim 0: the cache (an fp8 one as bytes: torch has
+    no CPU index_copy_ for fp8), and an int8 cache's scales."""
+    if cache.dtype == torch.float8_e5m2:
+        return (cache.view(torch.uint8),)
+    if cache.dtype == torch.int8:
+        return (cache, row_scales(cache))
+    return (cache,)
 
 
-def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """(..., head_dim) values as int8 rows (..., head_dim + 4): codes round-to-even(x * (1 / scale)), then the
-    scale max|x| * fp32(1/127) as 4 bytes. A row of zeros has scale 0 and codes 0."""
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., head_dim) values as int8 codes round-to-even(x * (1 / scale)) and their rows' scales
+    max|x| * fp32(1/127), (...). A row of zeros has scale 0 and codes 0."""
     x = rows.float()
     amax = x.abs().amax(-1, keepdim=True)
     scale = amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)
     inverse = torch.where(amax > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round(x * inverse).clamp(-127, 127).to(torch.int8)
-    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+    return codes, scale.squeeze(-1)
 
 
-def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """int8 rows (..., head_dim + 4) as fp32 values (..., head_dim): code * scale."""
-    codes, scale = rows[..., :-INT8_ROW_SCALE_BYTES], rows[..., -INT8_ROW_SCALE_BYTES:]
-    return codes.float() * scale.contiguous().view(torch.float32)
+def int8_cache_of(values: torch.Tensor) -> torch.Tensor:
+    """values (..., head_dim) as an int8 cache tensor (its scales after it): for benchmarks and tests."""
+    cache = empty_cache(tuple(values.shape), torch.int8, values.device)
+    codes, scales = quantize_rows(values)
+    cache.copy_(codes)
+    row_scales(cache).copy_(scales)
+    return cache
 
 
-def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows in the compute dtype (an fp8 cache's values widen exactly; an int8 row's are code * scale)."""
-    if t.dtype == torch.int8:
-        return dequantize_rows(t).to(dtype)
-    return t if t.dtype == dtype else t.to(dtype)
+def widened(cache: torch.Tensor) -> torch.Tensor:
+    """A whole cache's values in fp32 (an int8 one's code * scale)."""
+    if cache.dtype == torch.int8:
+        return cache.float() * row_scales(cache).unsqueeze(-1)
+    return cache.float()
+
+
+def gathered(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] in the compute dtype (an fp8 cache's values widen exactly; an int8 row's are code * scale,
+    in fp32 first as the kernels form them)."""
+    rows = cache[index]
+    if cache.dtype == torch.int8:
+        return (rows.float() * row_scales(cache)[index].unsqueeze(-1)).to(dtype)
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def as_cached(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """The step's new K/V rows as the cache holds them (what the native kernels see: they read every key from
     the cache)."""
     if cache.dtype == torch.int8:
-        return dequantize_rows(quantize_rows(new)).to(new.dtype)
+        codes, scales = quantize_rows(new)
+        return (codes.float() * scales.unsqueeze(-1)).to(new.dtype)
     return new if cache.dtype == new.dtype else new.to(cache.dtype).to(new.dtype)

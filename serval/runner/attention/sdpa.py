@@ -20,7 +20,7 @@ from serval.runner.attention.backend import (
     new_token_slots,
     write_new_kv,
 )
-from serval.runner.attention.cache_dtype import as_cached, store_rows, widened
+from serval.runner.attention.cache_dtype import as_cached, gathered, store_rows
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ class SdpaBackend:
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
             q_dec = q[rows].unsqueeze(2)  # (num_decodes, num_heads, 1, head_dim)
-            k_dec = widened(k_cache[metadata.decode_slots], q.dtype).transpose(
+            k_dec = gathered(k_cache, metadata.decode_slots, q.dtype).transpose(
                 1, 2
             )  # (num_decodes, num_kv_heads, len, head_dim)
-            v_dec = widened(v_cache[metadata.decode_slots], q.dtype).transpose(1, 2)
+            v_dec = gathered(v_cache, metadata.decode_slots, q.dtype).transpose(1, 2)
             mask = metadata.decode_mask
             if window:  # slots are the context in order: key j is position j, the query the last one
                 key_positions = torch.arange(mask.shape[-1], device=mask.device)
@@ -107,10 +107,9 @@ class SdpaBackend:
             if p.context_slots is None:
                 k_p, v_p = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             else:
-                k_p = widened(k_cache[p.context_slots], q.dtype).transpose(
-                    0, 1
-                )  # (num_kv_heads, context_len, head_dim)
-                v_p = widened(v_cache[p.context_slots], q.dtype).transpose(0, 1)
+                # (num_kv_heads, context_len, head_dim)
+                k_p = gathered(k_cache, p.context_slots, q.dtype).transpose(0, 1)
+                v_p = gathered(v_cache, p.context_slots, q.dtype).transpose(0, 1)
             if p.context_slots is None and not window and sinks is None:
                 o = F.scaled_dot_product_attention(
                     q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=True

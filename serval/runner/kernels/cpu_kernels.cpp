@@ -230,15 +230,15 @@ void store_rows_e5m2(const at::Tensor& src, at::Tensor& cache, const int64_t* sl
 }
 
 // An int8 cache (`--kv-cache-dtype int8`): each (token, kv head) row of head_dim values becomes codes
-// round(x / scale) and its scale, max |x| / 127, in the row's last 4 bytes, computed as cache_dtype.py's
-// quantize_rows computes them (scale = max|x| * fp32(1/127), codes = round-to-even(x * (1 / scale))), so
-// that the bytes are equal.
+// round(x / scale) and its scale, max |x| / 127, in the scales after the codes (common.h's Int8Row), computed as
+// cache_dtype.py's quantize_rows computes them (scale = max|x| * fp32(1/127), codes = round-to-even(x *
+// (1 / scale))), so that the bytes are equal.
 template <typename Source>
 void store_rows_int8(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   const int64_t rows = src.size(0), heads = src.size(1), head_dim = src.size(2), stride = src.stride(0);
-  const int64_t row_bytes = head_dim + kInt8RowScaleBytes;
   const auto* from = static_cast<const Source*>(src.data_ptr());
-  auto* to = static_cast<int8_t*>(cache.data_ptr());
+  auto* codes = static_cast<int8_t*>(cache.data_ptr());
+  auto* scales = const_cast<float*>(int8_row_scales(cache));
   std::vector<float> x(head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -256,12 +256,13 @@ void store_rows_int8(const at::Tensor& src, at::Tensor& cache, const int64_t* sl
       const volatile float rounded_scale = amax * (1.0f / 127.0f);
       const float scale = rounded_scale;
       const float inverse = amax > 0.0f ? 1.0f / scale : 0.0f;
-      int8_t* row = to + (slots[r] * heads + h) * row_bytes;
+      const int64_t row_index = slots[r] * heads + h;
+      int8_t* row = codes + row_index * head_dim;
       const simd::Vec inv = simd::set1(inverse);
       for (i = 0; i + simd::kWidth <= head_dim; i += simd::kWidth)
         simd::store_whole(simd::round_nearest(simd::mul(simd::load(x.data() + i), inv)), row + i);
       for (; i < head_dim; ++i) row[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
-      std::memcpy(row + head_dim, &scale, sizeof(scale));
+      scales[row_index] = scale;
     }
   }
 }
@@ -270,9 +271,8 @@ void store_rows_int8(const at::Tensor& src, at::Tensor& cache, const int64_t* sl
 
 void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots) {
   const bool int8 = cache.scalar_type() == at::kChar;
-  TORCH_CHECK(src.dim() == 3 && cache.dim() == 3 && src.size(1) == cache.size(1) &&
-              cache.size(2) == src.size(2) + (int8 ? kInt8RowScaleBytes : 0),
-              "src: (rows, heads, head_dim), cache: (slots, heads, head_dim), an int8 cache's rows 4 bytes wider");
+  TORCH_CHECK(src.dim() == 3 && cache.dim() == 3 && src.size(1) == cache.size(1) && cache.size(2) == src.size(2),
+              "src: (rows, heads, head_dim), cache: (slots, heads, head_dim)");
   TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2) && cache.is_contiguous(),
               "each src row contiguous, the cache contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == src.size(0),

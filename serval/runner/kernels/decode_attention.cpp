@@ -15,9 +15,9 @@
 // invariance).
 //
 // The cache holds q's dtype or, with `--kv-cache-dtype fp8_e5m2` or `int8`, one byte a value (K below: the cache's
-// row type; an int8 row ends in its scale, common.h's Int8Row): rows are widened to fp32 as they are loaded (fp8
-// exactly, int8 as code * scale, the same products in both kernels), so an 8-bit cache's output is bitwise what
-// its widened values give, and about half the bytes are read (a 64-sequence step at 160 tokens, 30 layers, AMD
+// element type; an int8 cache's row scales follow its codes, common.h's Int8Row): rows are widened to fp32 as they
+// are loaded (fp8 exactly, int8 as code * scale, the same products in both kernels), so an 8-bit cache's output
+// is bitwise what its widened values give, and half the bytes are read (a 64-sequence step at 160 tokens, 30 layers, AMD
 // family 26: 8.8 -> 5.8-6.0 ms, `bench/kv_cache_dtype.py --kernel`).
 //
 // Multi-head latent attention (DeepSeek's MLA, absorbed): value_dim < head_dim, k_cache and v_cache the same
@@ -37,6 +37,8 @@ struct Context {
   float scale;
   const int64_t* next_rows = nullptr;  // the K rows of the task this thread takes next, to ask for early
   int64_t next_len = 0;
+  const float* k_scales = nullptr;  // an int8 cache's row scales (common.h), else null
+  const float* v_scales = nullptr;
 };
 
 // The plain path: any head size, any ISA.
@@ -44,7 +46,7 @@ template <typename T>
 void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const Context& c, float sink,
                        int64_t head_dim, int64_t value_dim, float* scores, float* row, float* out) {
   for (int64_t t = 0; t < c.len; ++t) {
-    load_cache_row(k_cache + c.rows[t], row, head_dim, head_dim);
+    load_cache_row(k_cache + c.rows[t], row, head_dim, row_scale(c.k_scales, c.rows[t], head_dim));
     scores[t] = dot(q, row, head_dim) * c.scale;
   }
   float m = sink;
@@ -53,7 +55,7 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
   for (int64_t t = 0; t < c.len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
   std::fill(out, out + value_dim, 0.0f);
   for (int64_t t = 0; t < c.len; ++t) {
-    load_cache_row(v_cache + c.rows[t], row, value_dim, head_dim);
+    load_cache_row(v_cache + c.rows[t], row, value_dim, row_scale(c.v_scales, c.rows[t], head_dim));
     axpy(scores[t] / sum, row, out, value_dim);
   }
 }
@@ -63,11 +65,14 @@ void attend_head_plain(const float* q, const T* k_cache, const T* v_cache, const
 // at every block boundary. 64 sequences of 200 tokens, 30 layers, 2 threads (AVX-512): 20.9 -> 16.1 ms (the
 // same data hot in the L3: 7.2 ms).
 template <typename T, int D>
-inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  constexpr int64_t kRowBytes = D * sizeof(T) + row_extra<T>();  // an int8 row's scale is in its last bytes
+inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end,
+                          const float* scales = nullptr, int64_t head_dim = D) {
+  constexpr int64_t kRowBytes = D * sizeof(T);
   for (int64_t t = begin; t < end; ++t) {
     const char* p = reinterpret_cast<const char*>(cache + rows[t]);
     for (int64_t b = 0; b < kRowBytes; b += 64) simd::prefetch(p + b);
+    // An int8 cache's row scales lie apart from its codes, a block's in a few lines (2-3 tokens to a line).
+    if (scales != nullptr) simd::prefetch(scales + rows[t] / head_dim);
   }
 }
 
@@ -106,8 +111,8 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
     for (int i = 0; i < CB; ++i) acc[h][i] = simd::zero();
   const int64_t ask_from = kNextAsked - c.skip, ask_end = ask_ahead ? c.next_len : 0;
   for (int64_t t = c.skip; t < c.len; ++t) {
-    if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1);
-    const CacheRow<T, D> v(v_cache + c.rows[t]);
+    if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1, c.k_scales);
+    const CacheRow<T> v(v_cache + c.rows[t], row_scale(c.v_scales, c.rows[t], D));
     Vec row[CB];
     for (int i = 0; i < CB; ++i) row[i] = v.load(W * (c0 + i));
     for (int h = 0; h < NH; ++h) {
@@ -120,7 +125,7 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
     for (int i = 0; i < CB; ++i) simd::store(outs[h] + W * (c0 + i), simd::mul(acc[h][i], scale));
   }
   // A next task longer than this one: the rest of its rows.
-  if (ask_ahead) prefetch_rows<T, D>(k_cache, c.next_rows, std::max(c.len + ask_from, kNextAsked), c.next_len);
+  if (ask_ahead) prefetch_rows<T, D>(k_cache, c.next_rows, std::max(c.len + ask_from, kNextAsked), c.next_len, c.k_scales);
 }
 
 // The G query heads that share one kv head (GQA; MLA's absorbed heads all share its one latent "head"), over one
@@ -138,13 +143,16 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
   // Pass 1: scores[h][t] = q_h . k_t * scale, W tokens a tile, their horizontal sums done together.
   const Vec scale = simd::set1(c.scale);
   constexpr int64_t kAhead = 16;  // tokens (AVX-512: measured against 32, 64, 96: the shortest was best)
-  prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead));
+  prefetch_rows<T, D>(k_cache, c.rows, 0, std::min(c.len, kAhead), c.k_scales);
   for (int64_t t0 = 0; t0 < c.len; t0 += W) {
     const int64_t tile = std::min<int64_t>(W, c.len - t0);
     // The K rows a tile on, and this tile's V rows for pass 2.
-    prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W));
-    prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile);
-    for (int64_t i = 0; i < tile; ++i) load_cache_row(k_cache + c.rows[t0 + i], keys + i * D, D, D);
+    prefetch_rows<T, D>(k_cache, c.rows, std::min(c.len, t0 + kAhead), std::min(c.len, t0 + kAhead + W), c.k_scales);
+    prefetch_rows<T, DV>(v_cache, c.rows, t0, t0 + tile, c.v_scales, D);
+    for (int64_t i = 0; i < tile; ++i) {
+      const int64_t row = c.rows[t0 + i];
+      load_cache_row(k_cache + row, keys + i * D, D, row_scale(c.k_scales, row, D));
+    }
     for (int64_t h = 0; h < group; ++h) {
       Vec qv[C];
       for (int i = 0; i < C; ++i) qv[i] = simd::load(q + h * D + W * i);
@@ -170,7 +178,7 @@ void attend_group(const float* q, int64_t group, const T* k_cache, const T* v_ca
   }
   // The next task's first keys, asked for now (its V pass still to run here), so that it does not start on
   // a stall; the V pass asks for the rest.
-  prefetch_rows<T, D>(k_cache, c.next_rows, 0, std::min(c.next_len, kNextAsked));
+  prefetch_rows<T, D>(k_cache, c.next_rows, 0, std::min(c.next_len, kNextAsked), c.k_scales);
   // Pass 2: out_h = sum_t p_h,t v_t / sum_t p_h,t, up to NH heads a sweep over the V rows.
   constexpr int CV = DV / W, CB = value_chunk(CV), NH = std::max(1, kValueAccumulators / CB);
   static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
@@ -225,15 +233,16 @@ void decode_attention_impl(
   T* out_ptr = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t row_width = k_cache.size(3);  // head_dim, and an int8 row's scale
-  const int64_t slot_stride = num_kv_heads * row_width;  // elements between consecutive tokens
+  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive tokens
+  const float* k_scales = int8_row_scales(k_cache);  // an int8 cache's, else null
+  const float* v_scales = int8_row_scales(v_cache);
   const int64_t block_stride = block_size * slot_stride;
 
   // The visible rows of a (sequence, kv head) from token `first` up to `end`: each token's row offset, found
   // once per task (a division per token costs more than its math).
   const auto fill_rows = [&](int64_t seq, int64_t kv_head, int64_t first, int64_t end, int64_t* out) {
     for (int64_t b = first / block_size, t0 = b * block_size; t0 < end; ++b, t0 += block_size) {
-      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * row_width;
+      const int64_t offset = tables[seq * max_blocks + b] * block_stride + kv_head * head_dim;
       for (int64_t i = std::max<int64_t>(0, first - t0); i < block_size && t0 + i < end; ++i)
         out[t0 + i - first] = offset + i * slot_stride;
     }
@@ -273,7 +282,7 @@ void decode_attention_impl(
       group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
     }
     const Context context{rows.data(), len, visible_from(seq) - first, static_cast<float>(scale), scratch.next_rows.data(),
-                          next_len};
+                          next_len, k_scales, v_scales};
     const bool same = head_dim == value_dim;
     const auto attend = [&](auto kernel) {
       kernel(qf.data(), group, k_ptr, v_ptr, context, group_sinks.data(), scores.data(), stride, keys.data(),
@@ -286,7 +295,7 @@ void decode_attention_impl(
     else {
       for (int64_t g = 0; g < group; ++g)
         attend_head_plain<K>(qf.data() + g * head_dim, k_ptr, v_ptr, {rows.data() + context.skip, len - context.skip, 0,
-                             context.scale}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
+                             context.scale, nullptr, 0, k_scales, v_scales}, group_sinks[g], head_dim, value_dim, scores.data(), row.data(),
                              acc.data() + g * value_dim);
     }
     T* o = out_ptr + first_head * value_dim;

@@ -172,8 +172,7 @@ class DecodeStack::Layers {
     }
     rotary_embedding_(q, k, cos, sin);
     write_kv(w, k, v, slots);
-    // The cache's rows: head_dim wide, an int8 cache's with its scale's bytes too.
-    const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, w.k_cache.size(2)};
+    const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
     auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
                                        block_tables, context_lens, scale_, w.window, w.sinks);
     x.add_(w.o(attn.view({rows, q_size}), w.o_bias));

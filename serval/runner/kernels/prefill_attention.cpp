@@ -40,7 +40,8 @@ struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, value_dim;
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   int64_t block_size, max_blocks, slot_stride, block_stride;
-  int64_t row_width;  // a cache row's elements: head_dim, and an int8 row's scale
+  const float* k_scales;  // an int8 cache's row scales (common.h), else null
+  const float* v_scales;
   float scale;
   int64_t window;      // 0: a row sees its whole context
   const float* sinks;  // per query head, or null
@@ -65,7 +66,7 @@ struct Scratch {
 
 // The K/V cache row of context token t of one kv head, as an element offset.
 inline int64_t cache_row(const Sequence& s, const Layout& l, int64_t kv_head, int64_t t) {
-  return s.block_table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.slot_stride + kv_head * l.row_width;
+  return s.block_table[t / l.block_size] * l.block_stride + (t % l.block_size) * l.slot_stride + kv_head * l.head_dim;
 }
 
 template <typename T>
@@ -86,8 +87,8 @@ void attend_task_plain(const T* q, const K* k_cache, const K* v_cache, T* out, c
   scratch.scores.resize(num_keys + DV);  // scores, then one output row
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_cache_row(k_cache + row, scratch.keys.data() + t * D, D, D);
-    load_cache_row(v_cache + row, scratch.values.data() + t * DV, DV, D);
+    load_cache_row(k_cache + row, scratch.keys.data() + t * D, D, row_scale(l.k_scales, row, D));
+    load_cache_row(v_cache + row, scratch.values.data() + t * DV, DV, row_scale(l.v_scales, row, D));
   }
   float* scores = scratch.scores.data();
   float* acc = scores + num_keys;
@@ -138,8 +139,8 @@ void attend_task(const T* q, const K* k_cache, const K* v_cache, T* out, const S
   float row_buffer[R * DV];  // the R rows' outputs, a chunk at a time
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_cache_row(k_cache + row, keys + t * D, D, D);
-    load_cache_row(v_cache + row, values + t * DV, DV, D);
+    load_cache_row(k_cache + row, keys + t * D, D, row_scale(l.k_scales, row, D));
+    load_cache_row(v_cache + row, values + t * DV, DV, row_scale(l.v_scales, row, D));
   }
   const Vec scale = simd::set1(l.scale);
   const Vec minus_infinity = simd::set1(-INFINITY);
@@ -224,8 +225,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const Layout l{
       q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), out.size(2),
       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-      k_cache.size(1), block_tables.size(1), k_cache.size(2) * k_cache.size(3),
-      k_cache.size(1) * k_cache.size(2) * k_cache.size(3), k_cache.size(3), static_cast<float>(scale), window, sinks};
+      k_cache.size(1), block_tables.size(1), k_cache.size(2) * q.size(2), k_cache.size(1) * k_cache.size(2) * q.size(2),
+      int8_row_scales(k_cache), int8_row_scales(v_cache), static_cast<float>(scale), window, sinks};
   const int64_t num_seqs = query_lens.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   std::vector<Sequence> seqs(num_seqs);
