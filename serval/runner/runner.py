@@ -10,7 +10,13 @@ import torch
 from serval.config import CacheConfig, LoraConfig, ModelConfig
 from serval.model_source import ModelSource
 from serval.runner.attention.backend import StepAttention, StepLayout
-from serval.runner.attention.cache_dtype import bytes_per_row, empty_cache, kv_cache_dtype, slot_views
+from serval.runner.attention.cache_dtype import (
+    bytes_per_row,
+    check_cache_dtype_runs,
+    empty_cache,
+    kv_cache_dtype,
+    slot_views,
+)
 from serval.runner.attention.selector import select_attention_backend
 from serval.runner.batch import Batch, SamplerOutput
 from serval.runner.cuda_graph import decode_graphs_for
@@ -59,19 +65,10 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(
             self.device, kernels, model_config.attention_backend
         )
-        if (
-            self.kv_cache_dtype == torch.int8
-            and self.attention_backend.name == "sdpa"
-            and self.model.kv_cache_spec(self.arch).is_latent
-        ):
-            raise ValueError(
-                "kv_cache_dtype='int8' with latent attention (MLA) runs on the native-cpu backend"
-            )
-        if self.kv_cache_dtype != self.dtype and self.attention_backend.name == "triton":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.kv_cache_dtype!r} runs on the native-cpu and sdpa attention "
-                "backends; the Triton kernels read the cache in the model's dtype"
-            )
+        check_cache_dtype_runs(
+            cache_config.kv_cache_dtype, self.kv_cache_dtype != self.dtype, self.attention_backend.name,
+            self.model.kv_cache_spec(self.arch).is_latent,
+        )  # fmt: skip
         # On CUDA one KV block past the engine's takes decode graphs' padding rows (decode_graphs.py).
         self.kv_caches = self._allocate_kv_cache(num_spare_blocks=int(self.device.type == "cuda"))
         self.decode_graphs = decode_graphs_for(

@@ -153,3 +153,24 @@ def test_fp8_names_e5m2_as_vllms_cpu_backend_takes_it():
         == torch.float8_e5m2
     )
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_latent_attention_over_an_8bit_cache(tiny_model_factory, kind):
+    """DeepSeek's MLA caches one 576-wide latent row a token (its value the first 512): the same batch invariance
+    and bounded rounding over an 8-bit cache."""
+    require_kernels()
+    directory, _ = tiny_model_factory("deepseek_v2", False)
+    engine = _engine(directory, "native-cpu", kind)
+    together = _run(engine, [PROMPTS])
+    for request_id, prompt in PROMPTS.items():
+        assert _run(engine, [{request_id: prompt}])[request_id] == together[request_id], request_id
+    exact = _run(_engine(directory, "native-cpu", "auto"), [PROMPTS])
+    worst = max(_logprob_differences(exact[r], together[r]) for r in PROMPTS)
+    assert 1e-6 < worst < 0.1
+
+
+def test_an_int8_latent_cache_is_refused_on_the_sdpa_backend(tiny_model_factory):
+    directory, _ = tiny_model_factory("deepseek_v2", False)
+    with pytest.raises(ValueError, match="MLA"):
+        _engine(directory, "sdpa", "int8")

@@ -30,6 +30,19 @@ def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     )
 
 
+def check_cache_dtype_runs(name: str, narrower: bool, backend: str, is_latent: bool) -> None:
+    """Refuse at start-up what does not read a narrower cache: the Triton kernels (they read the model's
+    dtype), and an int8 latent (MLA) cache on the SDPA backend (its value view of the latent rows would lose
+    the scales' place)."""
+    if narrower and backend == "triton":
+        raise ValueError(
+            f"kv_cache_dtype={name!r} runs on the native-cpu and sdpa attention backends; the Triton kernels "
+            "read the cache in the model's dtype"
+        )
+    if name == "int8" and backend == "sdpa" and is_latent:
+        raise ValueError("kv_cache_dtype='int8' with latent attention (MLA) runs on the native-cpu backend")
+
+
 def bytes_per_row(head_dim: int, dtype: torch.dtype) -> int:
     """A cache row's bytes: head_dim values, and an int8 row's scale."""
     return head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
