@@ -18,9 +18,7 @@ from serval.runner.attention.backend import (
     StepLayout,
     context_slots,
     new_token_slots,
-    write_new_kv,
 )
-from serval.runner.attention.cache_dtype import store_rows
 
 _NO_SINKS = torch.empty(0)  # the kernels' "no sink logits"
 
@@ -52,6 +50,7 @@ class NativeCpuBackend:
     def __init__(self, kernels):
         self.decode_kernel = kernels.paged_decode_attention
         self.prefill_kernel = kernels.paged_prefill_attention
+        self.store_kernel = kernels.store_cache_rows
 
     def build(self, layout: StepLayout) -> NativeMetadata:
         if layout.is_decode_only:
@@ -91,13 +90,21 @@ class NativeCpuBackend:
     def forward(
         self, q, k, v, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks
     ) -> torch.Tensor:
-        write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self._store(k, k_cache, metadata.slot_mapping)
+        self._store(v, v_cache, metadata.slot_mapping)
         return self._attend(q, k_cache, v_cache, metadata, scale, window, sinks, q.shape[-1])
 
     def forward_latent(self, q, latent, cache, metadata: NativeMetadata, scale, value_dim) -> torch.Tensor:
-        store_rows(latent, cache, metadata.slot_mapping)
+        self._store(latent, cache, metadata.slot_mapping)
         # One tensor as K and V: the kernels read a token's value from the start of its key row.
         return self._attend(q, cache, cache, metadata, scale, 0, None, value_dim)
+
+    def _store(self, rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The new rows into their slots by the kernel: a row copy each, an 8-bit cache's rounding in one pass
+        (the same bytes as cache_dtype.store_rows; its torch ops cost an int8 prefill step several ms)."""
+        if rows.stride(-1) != 1 or rows.stride(-2) != rows.shape[-1]:
+            rows = rows.contiguous()
+        self.store_kernel(rows, cache, slot_mapping)
 
     def _attend(self, q, k_cache, v_cache, metadata: NativeMetadata, scale, window, sinks, value_dim):
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
