@@ -3,7 +3,7 @@ models: the native backend (its fused decode included) gives the SDPA reference 
 logprobs within fp32 rounding, over the same rounded cache; a request's tokens are bitwise the same alone or
 beside others in chunked, mixed steps; the cache holds the tokens its bytes allow and frees every block; the
 rounding is real (logprobs move off the 32-bit cache's) and bounded, int8 rows closer than e5m2; the Triton
-backend, which reads the cache in the model's dtype, is refused at start-up."""
+backend, which reads int8 rows or the model's dtype, is refused with fp8 at start-up."""
 
 from __future__ import annotations
 
@@ -134,10 +134,13 @@ def _logprob_differences(a: tuple[list[int], list[float]], b: tuple[list[int], l
     return worst
 
 
-def test_the_triton_backend_is_refused_with_an_8bit_cache(tiny_model_factory, triton_interpreter):  # noqa: F811
+def test_the_triton_backend_is_refused_with_an_fp8_cache(tiny_model_factory, triton_interpreter):  # noqa: F811
     directory, _ = tiny_model_factory("llama", False)
     with pytest.raises(ValueError, match="native-cpu and sdpa"):
         _engine(directory, "triton", "fp8_e5m2")
+    assert (
+        _engine(directory, "triton", "int8").runner.attention_backend.name == "triton"
+    )  # test_triton_engine.py
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "float16"])

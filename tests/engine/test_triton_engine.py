@@ -1,6 +1,6 @@
 """The Triton attention backend (CUDA's) through the whole engine, on the CPU under Triton's interpreter: a
 tiny random-weight model gives the same greedy tokens, and logprobs within fp32 rounding, as with the SDPA
-reference backend. The steps cover what a GPU run meets: prefills chunked by a small token budget beside
+reference backend, over the model's dtype's cache and an int8 one. The steps cover what a GPU run meets: prefills chunked by a small token budget beside
 running decodes (mixed steps), decode-only steps, and prompts that hit the prefix cache (a cached prefix
 read from the paged cache). gpt-oss's attention adds sliding windows and sink logits."""
 
@@ -25,10 +25,12 @@ PROMPTS = [
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
 
 
-def _generate(directory: str, backend: str) -> dict[str, tuple[list[int], list[float]]]:
+def _generate(
+    directory: str, backend: str, kv_cache_dtype: str = "auto"
+) -> dict[str, tuple[list[int], list[float]]]:
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="float32", attention_backend=backend),
-        cache=CacheConfig(num_blocks=64, block_size=4),
+        cache=CacheConfig(num_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype),
         # 9 tokens a step: the longer prompts are chunked, and their chunks share steps with decodes.
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=9),
     )
@@ -53,12 +55,13 @@ def _generate(directory: str, backend: str) -> dict[str, tuple[list[int], list[f
     return answers
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: codes times their rows' scales
 @pytest.mark.parametrize("architecture", ["llama", "gpt_oss"])
-def test_greedy_tokens_match_the_sdpa_backend(tiny_model_factory, monkeypatch, architecture):
+def test_greedy_tokens_match_the_sdpa_backend(tiny_model_factory, monkeypatch, architecture, kv_cache_dtype):
     monkeypatch.setenv("SERVAL_DISABLE_NATIVE_KERNELS", "1")  # neither backend under test needs them
     directory, _ = tiny_model_factory(architecture, False)
-    expected = _generate(directory, "sdpa")
-    got = _generate(directory, "triton")
+    expected = _generate(directory, "sdpa", kv_cache_dtype)
+    got = _generate(directory, "triton", kv_cache_dtype)
     assert all(len(tokens) == PARAMS.max_tokens for tokens, _ in expected.values())
     for request_id, (tokens, logprobs) in expected.items():
         assert got[request_id][0] == tokens, request_id

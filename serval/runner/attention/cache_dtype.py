@@ -31,13 +31,13 @@ def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_cache_dtype_runs(name: str, narrower: bool, backend: str, is_latent: bool) -> None:
-    """Refuse at start-up what does not read a narrower cache: the Triton kernels (they read the model's
-    dtype), and an int8 latent (MLA) cache on the SDPA backend (its value view of the latent rows would lose
-    the scales' place)."""
-    if narrower and backend == "triton":
+    """Refuse at start-up what does not read a narrower cache: fp8 on the Triton kernels (they read int8 rows
+    or the model's dtype), and an int8 latent (MLA) cache on the SDPA backend (its value view of the latent
+    rows would lose the scales' place)."""
+    if narrower and backend == "triton" and name != "int8":
         raise ValueError(
             f"kv_cache_dtype={name!r} runs on the native-cpu and sdpa attention backends; the Triton kernels "
-            "read the cache in the model's dtype"
+            "read int8 rows or the model's dtype"
         )
     if name == "int8" and backend == "sdpa" and is_latent:
         raise ValueError("kv_cache_dtype='int8' with latent attention (MLA) runs on the native-cpu backend")

@@ -12,6 +12,10 @@ They run on a GPU, and on CPU tensors under TRITON_INTERPRET=1 (set before trito
 decorator picks the interpreter then), which is how CI tests them against the SDPA reference, in fp32 (the
 interpreter computes tl.dot over bf16 wrongly).
 
+An int8 cache (`--kv-cache-dtype int8`) is read as codes times each row's fp32 scale (the scales that follow
+the codes in the cache's buffer, cache_dtype.row_scales), K and V then in q's dtype as the SDPA reference
+gathers them.
+
 NOTE: tl.arange needs power-of-two lengths: head_dim is padded to HEAD_DIM_PADDED with masked lanes; the
 cache's block size is a plain argument (any size), since tiles are positions, not blocks.
 """
@@ -29,17 +33,21 @@ _NEG_LARGE = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _load_tile(
-    k_cache_ptr, v_cache_ptr, table_ptr, key_pos, key_mask, block_size, kv_head, dims, dim_mask,
-    stride_cache_slot, stride_cache_head,
+    k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_ptr, key_pos, key_mask, block_size, kv_head,
+    dims, dim_mask, stride_cache_slot, stride_cache_head, INT8: tl.constexpr,
 ):  # fmt: skip
     """(N, D) K and V of one KV head at context positions key_pos, through the sequence's block table
-    (table_ptr: its row); masked positions read as zeros."""
+    (table_ptr: its row); masked positions read as zeros. INT8: codes times their rows' scales, in fp32."""
     block_ids = tl.load(table_ptr + key_pos // block_size, mask=key_mask, other=0).to(tl.int64)
     slots = block_ids * block_size + key_pos % block_size
     offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
     mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    if INT8:  # a row's scale: one per (slot, kv head), in the rows' order
+        rows = slots * (stride_cache_slot // stride_cache_head) + kv_head
+        k = k.to(tl.float32) * tl.load(k_scales_ptr + rows, mask=key_mask, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(v_scales_ptr + rows, mask=key_mask, other=0.0)[:, None]
     return k, v
 
 
@@ -68,12 +76,13 @@ def _online_softmax(scores, m_i, l_i):
 
 @triton.jit
 def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, rows_ptr, sinks_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, context_lens_ptr,
+    rows_ptr, sinks_ptr,
     scale, window, block_size,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_slot, stride_cache_head, stride_table,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HAS_SINKS: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, HAS_SINKS: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """One program per (decoding sequence, KV head): the GROUP query heads that share the KV head attend to
     its context together, so each cache tile is read once per KV head, not once per query head."""
@@ -98,9 +107,11 @@ def paged_decode_kernel(
         key_pos = tile * BLOCK_N + offsets  # (N,)
         key_mask = (key_pos < context_len) & (key_pos >= first_key)
         k, v = _load_tile(
-            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, key_pos, key_mask, block_size,
-            kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head,
+            k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_table, key_pos,
+            key_mask, block_size, kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head, INT8,
         )  # fmt: skip
+        if INT8:  # as the SDPA reference gathers them: in q's dtype
+            k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
         # NOTE: a broadcast product, not tl.dot: the group is often under tl.dot's 16 rows, and a decode is
         # bound by reading the cache, not by these multiplies.
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # (G, N)
@@ -113,13 +124,14 @@ def paged_decode_kernel(
 
 @triton.jit
 def paged_prefill_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_starts_ptr, query_lens_ptr,
-    context_lens_ptr, sinks_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, query_starts_ptr,
+    query_lens_ptr, context_lens_ptr, sinks_ptr,
     scale, window, block_size,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_slot, stride_cache_head, stride_table,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT8: tl.constexpr,
 ):  # fmt: skip
     """One program per (prefilling sequence, block of BLOCK_M of its new tokens, query head). The new
     tokens' K/V are already in the cache (write_new_kv), so a chunk after a cached prefix and a fresh
@@ -154,9 +166,11 @@ def paged_prefill_kernel(
     for tile in range(first_key // BLOCK_N, tl.cdiv(end_key, BLOCK_N)):
         key_pos = tile * BLOCK_N + offsets  # (N,)
         k, v = _load_tile(
-            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, key_pos, key_pos < end_key,
-            block_size, kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head,
+            k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_table, key_pos,
+            key_pos < end_key, block_size, kv_head, dims, dim_mask, stride_cache_slot, stride_cache_head, INT8,
         )  # fmt: skip
+        if INT8:  # tl.dot takes like dtypes: q's, as the SDPA reference gathers K and V
+            k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # (M, N)
         visible = (key_pos[None, :] <= query_pos[:, None]) & row_mask[:, None]
         if window > 0:

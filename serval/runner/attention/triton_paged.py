@@ -20,6 +20,7 @@ import torch
 import triton
 
 from serval.runner.attention.backend import FusedDecodeInputs, StepLayout, write_new_kv
+from serval.runner.attention.cache_dtype import row_scales
 
 # Key positions per iteration of the prefill kernel's loop, and query rows per prefill program. 16 is tl.dot's
 # smallest tile on NVIDIA GPUs.
@@ -138,11 +139,13 @@ def paged_decode(q, k_cache, v_cache, d: TritonDecodes, block_size, scale, windo
     block_n = min(64, max(8, DECODE_TILE_ELEMENTS // (group_padded * shape["HEAD_DIM_PADDED"])))
     num_decodes, num_kv_heads = d.rows.shape[0], k_cache.shape[1]
     paged_decode_kernel[(num_decodes, num_kv_heads)](
-        out, q, k_cache, v_cache, d.block_tables, d.context_lens, d.rows, _sink_arg(sinks, q),
+        out, q, k_cache, v_cache, *_scales_args(k_cache, v_cache), d.block_tables, d.context_lens, d.rows,
+        _sink_arg(sinks, q),
         scale, window, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), d.block_tables.stride(0),
-        BLOCK_N=block_n, GROUP_PADDED=group_padded, HAS_SINKS=sinks is not None, **shape,
+        BLOCK_N=block_n, GROUP_PADDED=group_padded, HAS_SINKS=sinks is not None,
+        INT8=k_cache.dtype == torch.int8, **shape,
     )  # fmt: skip
 
 
@@ -153,14 +156,23 @@ def paged_prefill(q, k_cache, v_cache, p: TritonPrefills, block_size, scale, win
     shape = _kernel_shape(q, k_cache, v_cache)
     grid = (p.query_lens.shape[0], triton.cdiv(p.max_query_len, PREFILL_BLOCK_M), q.shape[1])
     paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, p.block_tables, p.query_starts, p.query_lens, p.context_lens,
+        out, q, k_cache, v_cache, *_scales_args(k_cache, v_cache), p.block_tables, p.query_starts, p.query_lens,
+        p.context_lens,
         _sink_arg(sinks, q), scale, window, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), p.block_tables.stride(0),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_M=PREFILL_BLOCK_M, HAS_SINKS=sinks is not None,
         # fp32 products in fp32 (not TF32: the fp32 path is the exact one); 16-bit inputs take the default
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, **shape,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT8=k_cache.dtype == torch.int8, **shape,
     )  # fmt: skip
+
+
+def _scales_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache's row scales (cache_dtype.row_scales); else the caches themselves, which INT8=False never
+    reads through."""
+    if k_cache.dtype != torch.int8:
+        return k_cache, v_cache
+    return row_scales(k_cache), row_scales(v_cache)
 
 
 def _sink_arg(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
