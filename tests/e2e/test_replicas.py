@@ -130,7 +130,10 @@ def test_shared_prefix_lands_on_the_replica_that_caches_it(replicas):
     after = wait_for(
         hits, lambda after: len(after) == 2 and gains(after)[-1] >= sum(cached[1:]), 60, "the hits reported"
     )
-    assert gains(after)[0] == 0 and gains(after)[-1] >= sum(cached[1:]), (before, after)
+    # The other replica ran none of them: it gained less than any one of them hit. (Not "nothing": `before` is
+    # each replica's last polled report, which may predate the previous test's last requests, whose chat
+    # template's first block can hit there; a CI run read 16 such tokens.)
+    assert gains(after)[0] < min(cached[1:]) and gains(after)[-1] >= sum(cached[1:]), (before, after)
     # /metrics is the sum over the replicas (idle now, so both reads see the same reports).
     assert metric(replicas.base_url, "serval_prefix_cache_hits_total") == sum(after.values())
 
