@@ -18,28 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
 import torch
+from step_profile import prefilled_engine
 
-from serval import LLM, SamplingParams
 from serval.runner.attention.cache_dtype import int8_cache_of
 from serval.runner.kernels import load_cpu_kernels
-
-
-def prefilled(model: str | None, batch_size: int, max_tokens: int, kv_cache_dtype: str):
-    llm = LLM(model, max_num_seqs=batch_size, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
-    engine = llm.engine
-    rng = random.Random(0)  # the same prompts for both engines
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    vocab_size = engine.runner.info.vocab_size
-    for i in range(batch_size):
-        engine.add_request(f"r{i}", [rng.randrange(100, vocab_size) for _ in range(128)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    return engine
 
 
 def kernel_times(batch_size: int, context: int, rounds: int) -> None:
@@ -94,9 +80,9 @@ def main() -> None:
     if args.kernel:
         kernel_times(args.batch_size, args.context, args.rounds)
         return
-    max_tokens = args.steps * args.rounds + 8
+    # The same random 128-token prompts for both engines (step_profile's), room for every step of the turns.
     engines = {
-        name: prefilled(args.model, args.batch_size, max_tokens, name)
+        name: prefilled_engine(args.model, args.batch_size, args.steps * args.rounds, kv_cache_dtype=name)
         for name in ("auto", args.kv_cache_dtype)
     }
     times: dict[str, list[float]] = {name: [] for name in engines}

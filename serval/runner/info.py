@@ -17,7 +17,9 @@ class RunnerInfo:
     vocab_size: int
     dtype: str
     device: str
-    kv_cache_dtype: str = ""  # what the KV cache holds: the compute dtype, or "float8_e5m2"; "": as dtype
+    kv_cache_dtype: str = (
+        ""  # what the KV cache holds: the compute dtype, "float8_e5m2" or "int8"; "": as dtype
+    )
     max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"

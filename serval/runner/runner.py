@@ -66,9 +66,10 @@ class ModelRunner:
             self.device, kernels, model_config.attention_backend
         )
         check_cache_dtype_runs(
-            cache_config.kv_cache_dtype, self.kv_cache_dtype != self.dtype, self.attention_backend.name,
+            cache_config.kv_cache_dtype,
+            self.attention_backend.name,
             self.model.kv_cache_spec(self.arch).is_latent,
-        )  # fmt: skip
+        )
         # On CUDA one KV block past the engine's takes decode graphs' padding rows (decode_graphs.py).
         self.kv_caches = self._allocate_kv_cache(num_spare_blocks=int(self.device.type == "cuda"))
         self.decode_graphs = decode_graphs_for(

@@ -10,52 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serval.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from serval.engine.engine import Engine
+from serval.config import CacheConfig
 from serval.runner.attention.cache_dtype import kv_cache_dtype
-from serval.sampling import SamplingParams
+from tests.engine.chunked_waves import (
+    FIRST_WAVE,
+    PARAMS,
+    chunking_engine,
+    generate_with_prefix_hit,
+    run_waves,
+)
 from tests.fixtures.kernels import require_kernels
 from tests.fixtures.triton_interpreter import triton_interpreter  # noqa: F401 (a fixture)
-
-SHARED = [11, 42, 7, 300, 5, 19, 23, 88, 4, 61, 9, 140]  # three whole blocks of 4
-PROMPTS = {"a": SHARED + [70, 71, 72], "b": [3, 250, 17, 17, 96], "d": [8] * 23}
-LATER = {"c": SHARED + [5, 5]}  # after "a" finished: a prefix-cache hit on SHARED's blocks
-PARAMS = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
-
-
-def _engine(directory: str, backend: str, kv_cache_dtype: str, dtype: str = "float32", **cache) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=ModelConfig(model=directory, dtype=dtype, attention_backend=backend),
-            cache=CacheConfig(block_size=4, kv_cache_dtype=kv_cache_dtype, **(cache or {"num_blocks": 64})),
-            # 9 tokens a step: the longer prompts are chunked, and their chunks share steps with decodes.
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=9),
-        )
-    )
-
-
-def _run(engine: Engine, waves: list[dict[str, list[int]]]) -> dict[str, tuple[list[int], list[float]]]:
-    answers: dict[str, tuple[list[int], list[float]]] = {}
-    for prompts in waves:
-        for request_id, prompt in prompts.items():
-            engine.add_request(request_id, prompt, PARAMS)
-            answers[request_id] = ([], [])
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                answers[output.request_id][0].extend(output.new_token_ids)
-                answers[output.request_id][1].extend(lp.logprob for lp in output.new_logprobs or [])
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return answers
-
-
-def _generate(directory: str, backend: str, kv_cache_dtype: str, dtype: str = "float32"):
-    engine = _engine(directory, backend, kv_cache_dtype, dtype)
-    assert engine.runner.attention_backend.name == backend
-    hits = engine.block_manager.num_hit_tokens
-    answers = _run(engine, [PROMPTS, LATER])
-    assert engine.block_manager.num_hit_tokens - hits == len(SHARED)
-    return answers
-
 
 KINDS = ["fp8_e5m2", "int8"]
 
@@ -67,8 +32,8 @@ def test_the_native_backend_matches_the_sdpa_backend_over_an_8bit_cache(
 ):
     require_kernels()
     directory, _ = tiny_model_factory(architecture, False)
-    expected = _generate(directory, "sdpa", kind)
-    got = _generate(directory, "native-cpu", kind)
+    expected = generate_with_prefix_hit(directory, "sdpa", kind)
+    got = generate_with_prefix_hit(directory, "native-cpu", kind)
     for request_id, (tokens, logprobs) in expected.items():
         assert len(tokens) == PARAMS.max_tokens
         assert got[request_id][0] == tokens, request_id
@@ -80,10 +45,10 @@ def test_the_native_backend_matches_the_sdpa_backend_over_an_8bit_cache(
 def test_a_request_is_answered_alike_alone_or_batched(tiny_model_factory, dtype, kind):
     require_kernels()
     directory, _ = tiny_model_factory("llama", False)
-    engine = _engine(directory, "native-cpu", kind, dtype)
-    together = _run(engine, [PROMPTS])
-    for request_id, prompt in PROMPTS.items():
-        alone = _run(engine, [{request_id: prompt}])
+    engine = chunking_engine(directory, "native-cpu", kind, dtype)
+    together = run_waves(engine, [FIRST_WAVE])
+    for request_id, prompt in FIRST_WAVE.items():
+        alone = run_waves(engine, [{request_id: prompt}])
         assert alone[request_id] == together[request_id], request_id
 
 
@@ -91,7 +56,7 @@ def test_the_8bit_caches_hold_more_tokens_and_round_within_bounds(tiny_model_fac
     require_kernels()
     directory, _ = tiny_model_factory("llama", False)
     budget = {"kv_cache_memory_bytes": 4 << 20}
-    engines = {kind: _engine(directory, "native-cpu", kind, **budget) for kind in ["auto", *KINDS]}
+    engines = {kind: chunking_engine(directory, "native-cpu", kind, **budget) for kind in ["auto", *KINDS]}
     runner = engines["auto"].runner
     spec = runner.model.kv_cache_spec(runner.arch)
     assert [engines[k].runner.kv_caches[0][0].dtype for k in engines] == [
@@ -112,11 +77,11 @@ def test_the_8bit_caches_hold_more_tokens_and_round_within_bounds(tiny_model_fac
         "fp8_e5m2": blocks_of(1, spec.head_dim),
         "int8": blocks_of(1, spec.head_dim + 4),  # an int8 row ends in its 4-byte scale
     }
-    exact = _run(engines["auto"], [PROMPTS])
+    exact = run_waves(engines["auto"], [FIRST_WAVE])
     worst = {}
     for kind in KINDS:
-        rounded = _run(engines[kind], [PROMPTS])
-        worst[kind] = max(_logprob_differences(exact[r], rounded[r]) for r in PROMPTS)
+        rounded = run_waves(engines[kind], [FIRST_WAVE])
+        worst[kind] = max(_logprob_differences(exact[r], rounded[r]) for r in FIRST_WAVE)
     # Rounded K and V move the logprobs (a cache that kept the values would not), but not far on this model:
     # a bound that an unrounded read or a wrong widening (a misplaced byte, a lost scale) breaks. int8 rows
     # keep ~7 bits against e5m2's 3.
@@ -137,9 +102,9 @@ def _logprob_differences(a: tuple[list[int], list[float]], b: tuple[list[int], l
 def test_the_triton_backend_is_refused_with_an_fp8_cache(tiny_model_factory, triton_interpreter):  # noqa: F811
     directory, _ = tiny_model_factory("llama", False)
     with pytest.raises(ValueError, match="native-cpu and sdpa"):
-        _engine(directory, "triton", "fp8_e5m2")
+        chunking_engine(directory, "triton", "fp8_e5m2")
     assert (
-        _engine(directory, "triton", "int8").runner.attention_backend.name == "triton"
+        chunking_engine(directory, "triton", "int8").runner.attention_backend.name == "triton"
     )  # test_triton_engine.py
 
 
@@ -164,16 +129,16 @@ def test_latent_attention_over_an_8bit_cache(tiny_model_factory, kind):
     and bounded rounding over an 8-bit cache."""
     require_kernels()
     directory, _ = tiny_model_factory("deepseek_v2", False)
-    engine = _engine(directory, "native-cpu", kind)
-    together = _run(engine, [PROMPTS])
-    for request_id, prompt in PROMPTS.items():
-        assert _run(engine, [{request_id: prompt}])[request_id] == together[request_id], request_id
-    exact = _run(_engine(directory, "native-cpu", "auto"), [PROMPTS])
-    worst = max(_logprob_differences(exact[r], together[r]) for r in PROMPTS)
+    engine = chunking_engine(directory, "native-cpu", kind)
+    together = run_waves(engine, [FIRST_WAVE])
+    for request_id, prompt in FIRST_WAVE.items():
+        assert run_waves(engine, [{request_id: prompt}])[request_id] == together[request_id], request_id
+    exact = run_waves(chunking_engine(directory, "native-cpu", "auto"), [FIRST_WAVE])
+    worst = max(_logprob_differences(exact[r], together[r]) for r in FIRST_WAVE)
     assert 1e-6 < worst < 0.1
 
 
 def test_an_int8_latent_cache_is_refused_on_the_sdpa_backend(tiny_model_factory):
     directory, _ = tiny_model_factory("deepseek_v2", False)
     with pytest.raises(ValueError, match="MLA"):
-        _engine(directory, "sdpa", "int8")
+        chunking_engine(directory, "sdpa", "int8")

@@ -9,8 +9,8 @@
 
 Every write rounds the new K/V rows to the cache's form here (`store_rows`; the native kernels'
 `store_cache_rows` writes the same bytes), and every read widens them back (`gathered`; the native kernels widen
-as they load, with the same products). A backend that attends over a prompt's fresh K/V instead of reading them
-back from the cache rounds them the same way first (`as_cached`), so that a prompt's own keys are the values
+as they load, with the same products). A backend that attends over a prompt's fresh K/V instead of reading the
+cache takes them back as the cache holds them (`as_cached`), so that a prompt's own keys are the values
 its later decodes read: greedy output stays a function of the request, not of how its tokens were batched.
 """
 
@@ -30,11 +30,11 @@ def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     )
 
 
-def check_cache_dtype_runs(name: str, narrower: bool, backend: str, is_latent: bool) -> None:
+def check_cache_dtype_runs(name: str, backend: str, is_latent: bool) -> None:
     """Refuse at start-up what does not read a narrower cache: fp8 on the Triton kernels (they read int8 rows
     or the model's dtype), and an int8 latent (MLA) cache on the SDPA backend (its value view of the latent
     rows would lose the scales' place)."""
-    if narrower and backend == "triton" and name != "int8":
+    if name in ("fp8", "fp8_e5m2") and backend == "triton":
         raise ValueError(
             f"kv_cache_dtype={name!r} runs on the native-cpu and sdpa attention backends; the Triton kernels "
             "read int8 rows or the model's dtype"
@@ -76,14 +76,9 @@ def row_scales(cache: torch.Tensor) -> torch.Tensor:
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """rows (n, heads, head_dim) into cache[slot_mapping], in the cache's form where it is narrower. index_copy_
     is several times cheaper than index_put."""
-    if cache.dtype == torch.int8:
-        codes, scales = quantize_rows(rows)
-        cache.index_copy_(0, slot_mapping, codes)
-        row_scales(cache).index_copy_(0, slot_mapping, scales)
-        return
-    if rows.dtype != cache.dtype:
-        rows = rows.to(cache.dtype)
-    slot_views(cache)[0].index_copy_(0, slot_mapping, slot_views(rows)[0])
+    sources = quantize_rows(rows) if cache.dtype == torch.int8 else slot_views(rows.to(cache.dtype))
+    for target, source in zip(slot_views(cache), sources, strict=True):
+        target.index_copy_(0, slot_mapping, source)
 
 
 def slot_views(cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -107,6 +102,12 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale.squeeze(-1)
 
 
+def dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes (..., head_dim) and their rows' scales (...) as fp32 values: code * scale, the kernels'
+    products."""
+    return codes.float() * scales.unsqueeze(-1)
+
+
 def int8_cache_of(values: torch.Tensor) -> torch.Tensor:
     """values (..., head_dim) as an int8 cache tensor (its scales after it): for benchmarks and tests."""
     cache = empty_cache(tuple(values.shape), torch.int8, values.device)
@@ -118,9 +119,7 @@ def int8_cache_of(values: torch.Tensor) -> torch.Tensor:
 
 def widened(cache: torch.Tensor) -> torch.Tensor:
     """A whole cache's values in fp32 (an int8 one's code * scale)."""
-    if cache.dtype == torch.int8:
-        return cache.float() * row_scales(cache).unsqueeze(-1)
-    return cache.float()
+    return dequantized(cache, row_scales(cache)) if cache.dtype == torch.int8 else cache.float()
 
 
 def gathered(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,14 +127,11 @@ def gathered(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> to
     in fp32 first as the kernels form them)."""
     rows = cache[index]
     if cache.dtype == torch.int8:
-        return (rows.float() * row_scales(cache)[index].unsqueeze(-1)).to(dtype)
+        return dequantized(rows, row_scales(cache)[index]).to(dtype)
     return rows if rows.dtype == dtype else rows.to(dtype)
 
 
-def as_cached(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """The step's new K/V rows as the cache holds them (what the native kernels see: they read every key from
-    the cache)."""
-    if cache.dtype == torch.int8:
-        codes, scales = quantize_rows(new)
-        return (codes.float() * scales.unsqueeze(-1)).to(new.dtype)
-    return new if cache.dtype == new.dtype else new.to(cache.dtype).to(new.dtype)
+def as_cached(new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The step's new K/V rows, just stored at slot_mapping, as the cache holds them (what the native kernels
+    see: they read every key from the cache): read back, not rounded a second time."""
+    return new if cache.dtype == new.dtype else gathered(cache, slot_mapping, new.dtype)

@@ -75,12 +75,12 @@ class SdpaBackend:
         self, q, k, v, k_cache, v_cache, metadata: SdpaMetadata, scale, window, sinks
     ) -> torch.Tensor:
         write_new_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        k, v = as_cached(k, k_cache), as_cached(v, v_cache)
+        k, v = as_cached(k, k_cache, metadata.slot_mapping), as_cached(v, v_cache, metadata.slot_mapping)
         return self._attend(q, k, v, k_cache, v_cache, metadata, scale, window, sinks)
 
     def forward_latent(self, q, latent, cache, metadata: SdpaMetadata, scale, value_dim) -> torch.Tensor:
         store_rows(latent, cache, metadata.slot_mapping)
-        latent = as_cached(latent, cache)
+        latent = as_cached(latent, cache, metadata.slot_mapping)
         # Views, not copies: a key row's first value_dim values are its value (SDPA takes a narrower V).
         values, cached_values = latent[..., :value_dim], cache[..., :value_dim]
         return self._attend(q, latent, values, cache, cached_values, metadata, scale, 0, None)
