@@ -210,9 +210,10 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor si
   }
 }
 
-// Each row of src into its slot of the cache, in the cache's dtype: a copy where the dtypes match; an 8-bit
-// cache (fp8 e5m2) gets simd::store's rounding, which is torch's .to(torch.float8_e5m2) (tests/runner/
-// test_kv_cache_dtype.py compares the bytes). A row copy each: index_copy_ costs more per call.
+// Each row of src into its slot of the cache, in the cache's form: a copy where the dtypes match; an fp8 e5m2
+// cache gets simd::store's rounding, which is torch's .to(torch.float8_e5m2); an int8 cache codes and a scale a
+// row, as cache_dtype.quantize_rows (tests/runner/test_kv_cache_dtype.py compares the bytes of both). A row
+// copy each: index_copy_ costs more per call.
 namespace {
 
 template <typename Source>
@@ -267,10 +268,16 @@ void store_rows_int8(const at::Tensor& src, at::Tensor& cache, const int64_t* sl
   }
 }
 
+// An 8-bit cache's rows from fp32, bf16 or fp16 ones.
+template <typename Source>
+void store_rows_8bit(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  if (cache.scalar_type() == at::kChar) store_rows_int8<Source>(src, cache, slots);
+  else store_rows_e5m2<Source>(src, cache, slots);
+}
+
 }  // namespace
 
 void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots) {
-  const bool int8 = cache.scalar_type() == at::kChar;
   TORCH_CHECK(src.dim() == 3 && cache.dim() == 3 && src.size(1) == cache.size(1) && cache.size(2) == src.size(2),
               "src: (rows, heads, head_dim), cache: (slots, heads, head_dim)");
   TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2) && cache.is_contiguous(),
@@ -286,16 +293,10 @@ void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots) {
       std::memcpy(to + slot[r] * row_bytes, from + r * src.stride(0) * src.element_size(), row_bytes);
     return;
   }
-  if (int8) {
-    if (src.scalar_type() == at::kFloat) store_rows_int8<float>(src, cache, slot);
-    else if (src.scalar_type() == at::kBFloat16) store_rows_int8<at::BFloat16>(src, cache, slot);
-    else if (src.scalar_type() == at::kHalf) store_rows_int8<at::Half>(src, cache, slot);
-    else TORCH_CHECK(false, "rows of fp32, bf16 or fp16");
-    return;
-  }
-  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e5m2, "a cache of the rows' dtype, fp8 e5m2 or int8");
-  if (src.scalar_type() == at::kFloat) store_rows_e5m2<float>(src, cache, slot);
-  else if (src.scalar_type() == at::kBFloat16) store_rows_e5m2<at::BFloat16>(src, cache, slot);
-  else if (src.scalar_type() == at::kHalf) store_rows_e5m2<at::Half>(src, cache, slot);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e5m2 || cache.scalar_type() == at::kChar,
+              "a cache of the rows' dtype, fp8 e5m2 or int8");
+  if (src.scalar_type() == at::kFloat) store_rows_8bit<float>(src, cache, slot);
+  else if (src.scalar_type() == at::kBFloat16) store_rows_8bit<at::BFloat16>(src, cache, slot);
+  else if (src.scalar_type() == at::kHalf) store_rows_8bit<at::Half>(src, cache, slot);
   else TORCH_CHECK(false, "rows of fp32, bf16 or fp16");
 }
