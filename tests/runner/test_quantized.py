@@ -266,6 +266,31 @@ def test_a_bf16_result_is_the_fp32_result_rounded_as_torch_rounds(kernels, qtype
         assert got.dtype == torch.bfloat16 and (same_bits | got.isnan() & want.isnan()).all(), int8  # any NaN
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_a_result_added_into_the_residual_stream_is_torchs_sum(kernels, qtype):
+    """quantized_linear_add_ (a decoder layer's x += o(attn) and x += down(act)) adds the result into the fp32
+    residual group by group on the int8 path, with no result tensor: it must be residual.add_(quantized_linear())
+    bit for bit, for bf16 x (the bf16 result's values added) and fp32 x, with and without int8 x, outliers and
+    the padded last group (N = 40) included; and the fallbacks must agree too."""
+    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    raw, _ = _file_matrix(qtype, 40, cols, seed=7)
+    packed = pack_block_codes(block_codes(raw, qtype, (40, cols)))
+    tensors = (packed.codes, packed.scales, packed.offsets, packed.super_scales, packed.out_features)
+    torch.manual_seed(7)
+    for rows in (1, 19, 64):
+        x = torch.randn(rows, cols) * 3
+        x[rows // 2, 5] = 800.0  # an outlier
+        residual = torch.randn(rows, 40) * 10
+        for dtype in (torch.bfloat16, torch.float32):
+            for int8 in (False, True):
+                want = residual.clone().add_(kernels.quantized_linear(x.to(dtype), *tensors, int8))
+                got = residual.clone()
+                kernels.quantized_linear_add_(got, x.to(dtype), *tensors, int8)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, dtype, int8)
+    with pytest.raises(RuntimeError, match="residual"):
+        kernels.quantized_linear_add_(torch.zeros(3, 41), torch.randn(3, cols), *tensors, True)
+
+
 @pytest.mark.parametrize(
     "qtype",
     [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],

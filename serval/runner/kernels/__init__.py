@@ -41,6 +41,7 @@ SOURCES = tuple(
         "prefill_attention.cpp",
         "decode_stack.cpp",
         "quantized_linear.cpp",
+        "packed_linear.cpp",
         "quantized_int8.cpp",
         "dense_linear.cpp",
         "gguf_repack.cpp",

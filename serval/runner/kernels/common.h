@@ -258,6 +258,9 @@ at::Tensor silu_mul(at::Tensor gate_up);
 void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                at::Tensor super_scales, int64_t N, bool int8_batch_activations);
+// residual += quantized_linear(...), the same bits, without the result where the int8 path adds it group by group.
+void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, at::Tensor scales,
+                           at::Tensor offsets, at::Tensor super_scales, int64_t N, bool int8_batch_activations);
 // From how many rows of x int8_batch_activations rounds x to int8 over 4-bit codes (quantized_int8.cpp says
 // why per build); 0 where this build has no int8 path.
 int64_t int8_rows_from();

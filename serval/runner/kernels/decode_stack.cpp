@@ -54,6 +54,19 @@ struct LinearWeights {
     }
     return bias.defined() ? y.add(bias) : y;
   }
+
+  // residual += this layer's x @ W.T (+ bias), as residual.add_(operator()(x, bias)) adds it, bit for bit; a
+  // single packed matrix adds each group's bf16 result as it completes (quantized_linear_add_), with no
+  // result tensor and no pass over one.
+  void add_to(at::Tensor& residual, const at::Tensor& x, const at::Tensor& bias) const {
+    if (packed.size() == 1 && !bias.defined() && x.size(0) <= max_quantized_rows) {
+      const auto& p = packed[0];
+      quantized_linear_add_(residual, x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features,
+                            int8_batch_activations);
+      return;
+    }
+    residual.add_(operator()(x, bias));
+  }
 };
 
 // t: [weight, then codes, scales, offsets, super_scales of each packed part]. Every part but the last has
@@ -175,14 +188,14 @@ class DecodeStack::Layers {
     const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
     auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
                                        block_tables, context_lens, scale_, w.window, w.sinks);
-    x.add_(w.o(attn.view({rows, q_size}), w.o_bias));
+    w.o.add_to(x, attn.view({rows, q_size}), w.o_bias);
     const auto h = rms_norm(x, w.post_norm, eps_);
     if (w.experts) {
       x.add_(run_experts(*w.experts, h));
       return;
     }
     const at::Tensor no_bias;
-    x.add_(w.down(silu_mul(w.gate_up(h, no_bias)), no_bias));
+    w.down.add_to(x, silu_mul(w.gate_up(h, no_bias)), no_bias);
   }
 
   // SparseMoe.forward with its native kernels: softmax over the router's logits, the top k by a stable sort

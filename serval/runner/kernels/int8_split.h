@@ -106,8 +106,9 @@ inline void column_weights(const PackedMatrix& w, int64_t G, int64_t k, float* o
   }
 }
 
-// out[r][16 G + n] += the outliers' exact products with group G's 16 rows, in vectors (one FMA a value:
-// the bits of the scalar loop, which the compiler had left scalar and took 4% of a 64-row decode step).
+// y[r][n] += the outliers' exact products with group G's 16 rows (y: the group's first column of row 0, rows
+// out_stride apart), in vectors (one FMA a value: the bits of the scalar loop, which the compiler had left
+// scalar and took 4% of a 64-row decode step).
 template <Layout L>
 void add_outlier_products(const PackedMatrix& w, int64_t G, const std::vector<Outlier>& outliers, float* out,
                           int64_t out_stride) {
@@ -115,7 +116,7 @@ void add_outlier_products(const PackedMatrix& w, int64_t G, const std::vector<Ou
   int64_t column = -1;
   for (const Outlier& o : outliers) {
     if (o.column != column) column_weights<L>(w, G, column = o.column, weights);
-    float* y = out + o.row * out_stride + G * kGroup;
+    float* y = out + o.row * out_stride;
     const simd::Vec value = simd::set1(o.value);
     for (int r = 0; r < kGroup; r += simd::kWidth)
       simd::store(y + r, simd::fmadd(value, simd::load(weights + r), simd::load(y + r)));

@@ -305,31 +305,44 @@ QuantizedRows<Code> quantize_rows(const In* x, int64_t M, int64_t K) {
 // twice the products an instruction, where this build has it for the layout (4-bit codes; VPDPBUSD, or AVX2's
 // VPMADDUBSW). The default at every row count; --batch-activations float32 turns it off.
 bool has_int8_rows(Layout layout);
-// Where a bf16 model's matmul also puts its result: (M, N) bf16, each group's columns converted by the thread
-// that computed them as soon as they are complete, while they are in its L1 (a separate pass over out took
-// 1.3-1.8% of a 64-row decode step, and a fork and join of the threads per matmul; quantized_linear.cpp
-// keeps that pass for results too large for this). data null: none.
-struct Bf16Output {
-  at::BFloat16* data = nullptr;
+// Where a bf16 model's matmul puts its result group by group instead of in the fp32 `out`: each group's 16
+// columns are summed in a small fp32 tile of the thread that computes them (in L1: a 64-row step's fp32
+// result, 0.8 MB for a 3072-wide matmul, is never written, and the matmul costs 2-3% less), then rounded to bf16
+// as c10 rounds and stored to bf16 (M, N), or added to residual (M, N) fp32: a residual stream's x.add_(y) of
+// the bf16 y, the same bits, with neither y nor a separate pass (both null: the fp32 `out`, all of it). Before
+// the tile, a separate pass over out took 1.3-1.8% of a 64-row decode step and a fork and join of the threads
+// per matmul; quantized_linear.cpp keeps out for results too large for L1-sized columns (below).
+struct GroupOutput {
+  at::BFloat16* bf16 = nullptr;
+  float* residual = nullptr;
   int64_t N = 0;
+  bool by_group() const { return bf16 != nullptr || residual != nullptr; }
 };
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
-                      int64_t out_stride, Bf16Output bf16 = {});
+                      int64_t out_stride, GroupOutput to = {});
 // bf16 x (a bf16 model's activations) read as they are, widened a block at a time.
 void matmul_int8_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride, Bf16Output bf16 = {});
+                      float* out, int64_t out_stride, GroupOutput to = {});
 
-// Group G's 16 columns of out's M rows (fewer at the padded end) to bf16.data, rounded as c10 rounds.
-inline void store_group_bf16(const float* out, int64_t out_stride, int64_t M, int64_t G, Bf16Output bf16) {
-  if (bf16.data == nullptr) return;
-  const int64_t first = G * kGroup, columns = std::min<int64_t>(kGroup, bf16.N - first);
+// Group G's M x 16 fp32 tile (row stride kGroup) to where `to` says, the columns past N (the padded end) dropped.
+inline void emit_group(const float* tile, int64_t M, int64_t G, const GroupOutput& to) {
+  const int64_t first = G * kGroup, columns = std::min<int64_t>(kGroup, to.N - first);
   for (int64_t r = 0; r < M; ++r) {
-    const float* src = out + r * out_stride + first;
-    at::BFloat16* dst = bf16.data + r * bf16.N + first;
+    const float* src = tile + r * kGroup;
+    alignas(64) at::BFloat16 rounded[kGroup];
+    at::BFloat16* dst = to.bf16 != nullptr ? to.bf16 + r * to.N + first : rounded;
     if (columns == kGroup) {
       for (int v = 0; v < kGroup; v += simd::kWidth) simd::store(dst + v, simd::load(src + v));
     } else {
       for (int64_t n = 0; n < columns; ++n) dst[n] = static_cast<at::BFloat16>(src[n]);
+    }
+    if (to.residual == nullptr) continue;
+    float* sum = to.residual + r * to.N + first;
+    if (columns == kGroup) {
+      for (int v = 0; v < kGroup; v += simd::kWidth)
+        simd::store(sum + v, simd::add(simd::load(sum + v), simd::load(dst + v)));
+    } else {
+      for (int64_t n = 0; n < columns; ++n) sum[n] += static_cast<float>(dst[n]);
     }
   }
 }
@@ -340,6 +353,12 @@ bool present(const at::Tensor& t);
 // The layout of a packed matrix from its tensors, each checked against x's width K (quantized_linear.cpp).
 Layout packed_layout(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                      const at::Tensor& super, int64_t K);
+
+// out = x @ w.T through the int16 products (x rounded to int16 per block: quantized_linear.cpp).
+void matmul_int16_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
+                       int64_t out_stride);
+void matmul_int16_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
+                       float* out, int64_t out_stride);
 
 // out = x @ w.T for M rows of fp32 x, the path chosen as quantized_linear chooses it for fp32 x: int8 x where
 // asked and the build has it for the layout, int16 x up to 16 rows, else the fp32 tiles (quantized_linear.cpp).

@@ -82,7 +82,8 @@ inline __m512i broadcast_quad(const int8_t* p) {
 alignas(64) constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-// out[r][G's 16 columns] = group G's products with rows r0 .. r0 + R of x, over all of K. Chunk c's low
+// out[r][0:16] = group G's products with rows r0 .. r0 + R of x, over all of K (out: the group's first column
+// of row 0, in the result or in a thread's tile). Chunk c's low
 // nibbles are weights 8c to 8c + 3 of each of the 16 rows, its high nibbles 8c + 4 to 8c + 7 (quantized.h):
 // one VPDPBUSD each per row of x. Each block's sums are scaled into fp32 outputs kept in registers.
 // A row's block sum is integer, so splitting it over independent chains changes no bit: one or two rows (a
@@ -133,7 +134,7 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
       y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.sums[i]), y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * out_stride + G * kGroup, y[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * out_stride, y[r]);
 }
 
 // Q8_0: signed int8 codes times int8 x. VPDPBUSD takes one operand unsigned, so x goes in as x + 128 (its codes
@@ -175,7 +176,7 @@ void group_pass_q8(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t
       y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scales[i])), y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * out_stride + G * kGroup, y[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * out_stride, y[r]);
 }
 
 using GroupPass = void (*)(const PackedMatrix&, int64_t, const Int8Rows&, int64_t, float*, int64_t);
@@ -190,7 +191,7 @@ GroupPass group_pass_for(int64_t rows) {
 
 template <Layout L, typename In>
 void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
-                 int64_t out_stride, Bf16Output bf16) {
+                 int64_t out_stride, GroupOutput to) {
   static_assert((Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) ||
                  L == Layout::kQ8) && Traits<L>::kScaleWeights == kBlock);
   const Int8Split split = split_for_int8<L == Layout::kQ8>(x, M, w.K);  // Q8_0's x + 128 (group_pass_q8)
@@ -200,10 +201,13 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
   // streams consecutive codes: handed out one group at a time, the threads' interleaved groups made a
   // 16-row decode step 1.4x the int16 path's time (AMD family 26), the kernel alone being 0.7x.
   parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(to.by_group() ? M * kGroup : 0);
+    const int64_t stride = to.by_group() ? kGroup : out_stride;
     for (int64_t G = begin; G < end; ++G) {
-      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, out, out_stride);
-      add_outlier_products<L>(w, G, split.outliers, out, out_stride);
-      store_group_bf16(out, out_stride, M, G, bf16);
+      float* y = to.by_group() ? tile.data() : out + G * kGroup;
+      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, y, stride);
+      add_outlier_products<L>(w, G, split.outliers, y, stride);
+      if (to.by_group()) emit_group(y, M, G, to);
     }
   });
 }
@@ -346,7 +350,7 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
     }
   }
   for (int r = 0; r < R; ++r) {  // rows 0-3 | 8-11 and 4-7 | 12-15 back in order
-    float* y = out + (first_row + r) * out_stride + G * kGroup;
+    float* y = out + (first_row + r) * out_stride;
     _mm256_storeu2_m128(y + 8, y, acc[r][0]);
     _mm256_storeu2_m128(y + 12, y + 4, acc[r][1]);
   }
@@ -361,7 +365,7 @@ GroupFewRows group_few_rows_for(int64_t rows) {
 
 template <Layout L, typename In>
 void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
-                 int64_t out_stride, Bf16Output bf16) {
+                 int64_t out_stride, GroupOutput to) {
   static_assert(Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
                 Traits<L>::kScaleWeights == kBlock);
   const int64_t K = w.K, num_blocks = K / kBlock;
@@ -377,11 +381,14 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
     // A few rows' groups are quick and even: large guided shares. Many rows' are long: one at a time.
     const bool few = M <= kFewRows;
     parallel_chunks(num_groups, few ? num_groups / 16 : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tile(to.by_group() ? M * kGroup : 0);
+      const int64_t stride = to.by_group() ? kGroup : out_stride;
       for (int64_t G = begin; G < end; ++G) {
+        float* y = to.by_group() ? tile.data() : out + G * kGroup;
         for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass)
-          (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, out, out_stride);
-        add_outlier_products<L>(w, G, split.outliers, out, out_stride);
-        store_group_bf16(out, out_stride, M, G, bf16);
+          (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, y, stride);
+        add_outlier_products<L>(w, G, split.outliers, y, stride);
+        if (to.by_group()) emit_group(y, M, G, to);
       }
     }, few ? Schedule::kGuided : Schedule::kDynamic);
     return;
@@ -397,10 +404,14 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
         for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
           block_rows_for<L>(std::min<int64_t>(kPassRows, M - r0))(block, d, m, xq, r0, K, s, acc.data());
       }
+      if (to.by_group()) {  // acc is the group's tile
+        add_outlier_products<L>(w, G, split.outliers, acc.data(), kGroup);
+        emit_group(acc.data(), M, G, to);
+        continue;
+      }
       for (int64_t r = 0; r < M; ++r)
         std::memcpy(out + r * out_stride + G * kGroup, acc.data() + r * kGroup, kGroup * sizeof(float));
-      add_outlier_products<L>(w, G, split.outliers, out, out_stride);
-      store_group_bf16(out, out_stride, M, G, bf16);
+      add_outlier_products<L>(w, G, split.outliers, out + G * kGroup, out_stride);
     }
   }, Schedule::kDynamic);
 }
@@ -424,32 +435,32 @@ bool has_int8_rows(Layout layout) {
 
 template <typename In>
 void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride, Bf16Output bf16) {
+                      float* out, int64_t out_stride, GroupOutput to) {
   TORCH_CHECK(has_int8_rows(layout), "no int8-activation path for this layout in this build");
 #if defined(__AVX2__)
   switch (layout) {
-    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride, bf16); break;
-    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride, bf16); break;
-    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride, bf16); break;
-    case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride, bf16); break;
+    case Layout::kQ4: matmul_impl<Layout::kQ4>(x, M, w, num_groups, out, out_stride, to); break;
+    case Layout::kQ4Sym: matmul_impl<Layout::kQ4Sym>(x, M, w, num_groups, out, out_stride, to); break;
+    case Layout::kQ4K: matmul_impl<Layout::kQ4K>(x, M, w, num_groups, out, out_stride, to); break;
+    case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride, to); break;
 #if defined(__AVX512VNNI__)
-    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride, bf16); break;
+    case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride, to); break;
 #endif
     default: break;
   }
 #else
-  (void)x, (void)M, (void)w, (void)num_groups, (void)out, (void)out_stride, (void)bf16;
+  (void)x, (void)M, (void)w, (void)num_groups, (void)out, (void)out_stride, (void)to;
 #endif
 }
 
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride, Bf16Output bf16) {
-  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, bf16);
+                      float* out, int64_t out_stride, GroupOutput to) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, to);
 }
 
 void matmul_int8_rows(const at::BFloat16* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups,
-                      float* out, int64_t out_stride, Bf16Output bf16) {
-  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, bf16);
+                      float* out, int64_t out_stride, GroupOutput to) {
+  int8_rows_matmul(x, M, w, layout, num_groups, out, out_stride, to);
 }
 
 }  // namespace serval_kernels::quantized
