@@ -291,6 +291,26 @@ def test_a_result_added_into_the_residual_stream_is_torchs_sum(kernels, qtype):
         kernels.quantized_linear_add_(torch.zeros(3, 41), torch.randn(3, cols), *tensors, True)
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_a_fused_swiglu_is_silu_mul_of_the_gate_up_result(kernels, qtype):
+    """quantized_swiglu (a decoder layer's silu(gate) * up straight from the gate_up matmul, group pairs on the
+    int8 path) must be silu_mul(quantized_linear()) bit for bit, for bf16 and fp32 x, with and without int8 x,
+    outliers included; an intermediate size of whole groups (32) fuses, one of 1.5 groups (24) falls back."""
+    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    torch.manual_seed(9)
+    for inter, rows in ((32, 1), (32, 64), (24, 19)):
+        raw, _ = _file_matrix(qtype, 2 * inter, cols, seed=9)
+        packed = pack_block_codes(block_codes(raw, qtype, (2 * inter, cols)))
+        tensors = (packed.codes, packed.scales, packed.offsets, packed.super_scales, packed.out_features)
+        x = torch.randn(rows, cols) * 3
+        x[rows // 2, 5] = 800.0  # an outlier
+        for dtype in (torch.bfloat16, torch.float32):
+            for int8 in (False, True):
+                want = kernels.silu_mul(kernels.quantized_linear(x.to(dtype), *tensors, int8))
+                got = kernels.quantized_swiglu(x.to(dtype), *tensors, int8)
+                assert got.dtype == want.dtype and torch.equal(got, want), (inter, dtype, int8)
+
+
 @pytest.mark.parametrize(
     "qtype",
     [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],

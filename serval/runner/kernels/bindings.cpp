@@ -43,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
         pybind11::arg("offsets"), pybind11::arg("super_scales"), pybind11::arg("N"),
         pybind11::arg("int8_batch_activations") = false, release());
+  m.def("quantized_swiglu", &quantized_swiglu, "silu_mul(quantized_linear(x, ...)) of a SwiGLU gate_up matrix",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"),
+        pybind11::arg("super_scales"), pybind11::arg("N"), pybind11::arg("int8_batch_activations") = false,
+        release());
   // From how many rows int8_batch_activations takes int8 x (0: never in this build).
   m.attr("int8_rows_from") = int8_rows_from();
   m.def("moe_experts", &moe_experts,

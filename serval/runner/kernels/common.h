@@ -32,6 +32,26 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// out = silu(gate) * up = gate / (1 + e^-gate) * up, SwiGLU's activation, each value in vector lanes whatever n (a
+// tail goes through a padded vector), so that a value's bits do not depend on its position or the row's length:
+// silu_mul over a whole row and the fused gate_up matmul over 16 columns at a time (quantized.h) agree.
+template <typename T>
+inline void silu_mul_span(const T* gate, const T* up, T* out, int64_t n) {
+  constexpr int W = simd::kWidth;
+  const auto lanes = [](simd::Vec g, simd::Vec u) {
+    const simd::Vec e = simd::exp_bounded(simd::sub(simd::zero(), g));
+    return simd::mul(simd::div(g, simd::add(simd::set1(1.0f), e)), u);
+  };
+  int64_t i = 0;
+  for (; i + W <= n; i += W) simd::store(out + i, lanes(simd::load(gate + i), simd::load(up + i)));
+  if (i == n) return;
+  alignas(64) T g[W] = {}, u[W] = {}, o[W];
+  std::copy(gate + i, gate + n, g);
+  std::copy(up + i, up + n, u);
+  simd::store(o, lanes(simd::load(g), simd::load(u)));
+  std::copy(o, o + (n - i), out + i);
+}
+
 // a . b in vector lanes, then across them, then the tail: a fixed order for a given n. a and b: fp32 or bf16.
 template <typename A, typename B>
 inline float dot(const A* a, const B* b, int64_t n) {
@@ -258,6 +278,9 @@ at::Tensor silu_mul(at::Tensor gate_up);
 void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                at::Tensor super_scales, int64_t N, bool int8_batch_activations);
+// silu_mul(quantized_linear(...)) of a SwiGLU gate_up matrix (N = 2 inter), the same bits, fused where it can be.
+at::Tensor quantized_swiglu(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                            at::Tensor super_scales, int64_t N, bool int8_batch_activations);
 // residual += quantized_linear(...), the same bits, without the result where the int8 path adds it group by group.
 void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, at::Tensor scales,
                            at::Tensor offsets, at::Tensor super_scales, int64_t N, bool int8_batch_activations);

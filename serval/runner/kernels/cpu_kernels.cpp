@@ -143,7 +143,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
-// SwiGLU's silu(gate) * up over (rows, 2 * inter) -> (rows, inter), in one pass.
+// SwiGLU's silu(gate) * up over (rows, 2 * inter) -> (rows, inter), in one pass (common.h's silu_mul_span).
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = out.size(0), inter = out.size(1);
@@ -152,12 +152,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = op + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = to_float(g[i]);
-        o[i] = static_cast<T>(gv / (1.0f + std::exp(-gv)) * to_float(u[i]));
-      }
+      silu_mul_span(g, g + inter, op + r * inter, inter);
     }
   });
 }

@@ -55,6 +55,17 @@ struct LinearWeights {
     return bias.defined() ? y.add(bias) : y;
   }
 
+  // silu_mul(operator()(x)) of a SwiGLU gate_up matrix, bit for bit; a single packed matrix fuses the two
+  // (quantized_swiglu).
+  at::Tensor swiglu(const at::Tensor& x) const {
+    if (packed.size() == 1 && x.size(0) <= max_quantized_rows) {
+      const auto& p = packed[0];
+      return quantized_swiglu(x, p.codes, p.scales, p.offsets, p.super_scales, p.out_features,
+                              int8_batch_activations);
+    }
+    return silu_mul(operator()(x, at::Tensor()));
+  }
+
   // residual += this layer's x @ W.T (+ bias), as residual.add_(operator()(x, bias)) adds it, bit for bit; a
   // single packed matrix adds each group's bf16 result as it completes (quantized_linear_add_), with no
   // result tensor and no pass over one.
@@ -195,7 +206,7 @@ class DecodeStack::Layers {
       return;
     }
     const at::Tensor no_bias;
-    w.down.add_to(x, silu_mul(w.gate_up(h, no_bias)), no_bias);
+    w.down.add_to(x, w.gate_up.swiglu(h), no_bias);
   }
 
   // SparseMoe.forward with its native kernels: softmax over the router's logits, the top k by a stable sort

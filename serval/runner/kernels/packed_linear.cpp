@@ -186,3 +186,22 @@ void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, 
   }
   residual.add_(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
 }
+
+// silu_mul(quantized_linear(x, ...)) of a SwiGLU gate_up matrix (N = 2 inter: gate's rows, then up's), the same
+// bits; where the int8 path writes group by group (and inter is whole groups), each thread computes a gate
+// group and its up group and writes their silu(gate) * up: no 2 inter-wide result, no pass over one.
+at::Tensor quantized_swiglu(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
+                            at::Tensor super_scales, int64_t N, bool int8_batch_activations) {
+  TORCH_CHECK(x.dim() == 2 && N % 2 == 0, "x: (rows, K); N: gate's and up's rows");
+  const int64_t inter = N / 2;
+  const bool packed = codes.scalar_type() != at::kHalf && codes.scalar_type() != at::kBFloat16;
+  if (packed && inter % kGroup == 0) {
+    const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
+    if (call.by_group() && call.M * N * 2 <= kGroupwiseBf16Bytes) {
+      auto y = at::empty({call.M, inter}, x.options().dtype(at::kBFloat16));
+      call.run_by_group(GroupOutput{y.data_ptr<at::BFloat16>(), nullptr, inter, /*swiglu=*/true});
+      return y;
+    }
+  }
+  return silu_mul(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
+}

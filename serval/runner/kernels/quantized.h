@@ -312,10 +312,14 @@ bool has_int8_rows(Layout layout);
 // the bf16 y, the same bits, with neither y nor a separate pass (both null: the fp32 `out`, all of it). Before
 // the tile, a separate pass over out took 1.3-1.8% of a 64-row decode step and a fork and join of the threads
 // per matmul; quantized_linear.cpp keeps out for results too large for L1-sized columns (below).
+// With swiglu, the matmul is a SwiGLU MLP's gate_up (gate's N columns, then up's N: whole groups each) and bf16
+// (M, N) takes silu(gate) * up of their bf16 values (common.h's silu_mul_span, silu_mul's bits): each thread
+// computes a gate group and its up group, and neither the 2N-wide result nor a pass over it is made.
 struct GroupOutput {
   at::BFloat16* bf16 = nullptr;
   float* residual = nullptr;
   int64_t N = 0;
+  bool swiglu = false;
   bool by_group() const { return bf16 != nullptr || residual != nullptr; }
 };
 void matmul_int8_rows(const float* x, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
@@ -345,6 +349,41 @@ inline void emit_group(const float* tile, int64_t M, int64_t G, const GroupOutpu
       for (int64_t n = 0; n < columns; ++n) sum[n] += static_cast<float>(dst[n]);
     }
   }
+}
+
+// A SwiGLU item's gate and up tiles (M x 16 each) to silu(gate) * up in bf16 columns 16 item .. of to.bf16.
+inline void emit_swiglu(const float* gate, const float* up, int64_t M, int64_t item, const GroupOutput& to) {
+  for (int64_t r = 0; r < M; ++r) {
+    alignas(64) at::BFloat16 g[kGroup], u[kGroup];
+    for (int v = 0; v < kGroup; v += simd::kWidth) {
+      simd::store(g + v, simd::load(gate + r * kGroup + v));
+      simd::store(u + v, simd::load(up + r * kGroup + v));
+    }
+    silu_mul_span(g, u, to.bf16 + r * to.N + item * kGroup, kGroup);
+  }
+}
+
+// An int8-row matmul's groups handed out over the threads, each group's fp32 columns made by fill(G, y, stride)
+// (y: the group's first column of row 0, rows stride apart) into out, or into the thread's tile and then where
+// `to` says (a SwiGLU item: group G and its up group G + num_groups / 2). fine: one item at a time (long items);
+// else guided shares of runs of about 1/16 of them, so that each thread streams consecutive codes.
+template <typename Fill>
+void run_groups(int64_t M, int64_t num_groups, float* out, int64_t out_stride, const GroupOutput& to, bool fine,
+                const Fill& fill) {
+  const int parts = to.swiglu ? 2 : 1;
+  const int64_t items = num_groups / parts;
+  parallel_chunks(items, fine ? 1 : items / 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(to.by_group() ? parts * M * kGroup : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      for (int part = 0; part < parts; ++part) {
+        const int64_t G = item + part * items;
+        if (to.by_group()) fill(G, tile.data() + part * M * kGroup, kGroup);
+        else fill(G, out + G * kGroup, out_stride);
+      }
+      if (to.swiglu) emit_swiglu(tile.data(), tile.data() + M * kGroup, M, item, to);
+      else if (to.by_group()) emit_group(tile.data(), M, item, to);
+    }
+  }, fine ? Schedule::kDynamic : Schedule::kGuided);
 }
 
 // Whether a tensor holds values (an absent offsets or super-scales tensor is empty or undefined).

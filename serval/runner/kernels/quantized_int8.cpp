@@ -200,15 +200,9 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
   // Runs of consecutive groups in guided shares (about 16 a call, as the int16 path's), so that each thread
   // streams consecutive codes: handed out one group at a time, the threads' interleaved groups made a
   // 16-row decode step 1.4x the int16 path's time (AMD family 26), the kernel alone being 0.7x.
-  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(to.by_group() ? M * kGroup : 0);
-    const int64_t stride = to.by_group() ? kGroup : out_stride;
-    for (int64_t G = begin; G < end; ++G) {
-      float* y = to.by_group() ? tile.data() : out + G * kGroup;
-      for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, y, stride);
-      add_outlier_products<L>(w, G, split.outliers, y, stride);
-      if (to.by_group()) emit_group(y, M, G, to);
-    }
+  run_groups(M, num_groups, out, out_stride, to, /*fine=*/false, [&](int64_t G, float* y, int64_t stride) {
+    for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, y, stride);
+    add_outlier_products<L>(w, G, split.outliers, y, stride);
   });
 }
 #elif defined(__AVX2__)
@@ -380,40 +374,25 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
     const GroupFewRows full = group_few_rows_for<L>(kFewRowsPass), rest = group_few_rows_for<L>(M % kFewRowsPass);
     // A few rows' groups are quick and even: large guided shares. Many rows' are long: one at a time.
     const bool few = M <= kFewRows;
-    parallel_chunks(num_groups, few ? num_groups / 16 : 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> tile(to.by_group() ? M * kGroup : 0);
-      const int64_t stride = to.by_group() ? kGroup : out_stride;
-      for (int64_t G = begin; G < end; ++G) {
-        float* y = to.by_group() ? tile.data() : out + G * kGroup;
-        for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass)
-          (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, y, stride);
-        add_outlier_products<L>(w, G, split.outliers, y, stride);
-        if (to.by_group()) emit_group(y, M, G, to);
-      }
-    }, few ? Schedule::kGuided : Schedule::kDynamic);
+    run_groups(M, num_groups, out, out_stride, to, /*fine=*/!few, [&](int64_t G, float* y, int64_t stride) {
+      for (int64_t r0 = 0; r0 < M; r0 += kFewRowsPass) (M - r0 >= kFewRowsPass ? full : rest)(w, G, xq, r0, y, stride);
+      add_outlier_products<L>(w, G, split.outliers, y, stride);
+    });
     return;
   }
-  parallel_chunks(num_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * kGroup);
-    for (int64_t G = begin; G < end; ++G) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t s = 0; s < num_blocks; ++s) {
-        alignas(32) float d[kGroup], m[kGroup];
-        int8_block_scales<L>(w, G, s, d, m);
-        const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
-        for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
-          block_rows_for<L>(std::min<int64_t>(kPassRows, M - r0))(block, d, m, xq, r0, K, s, acc.data());
-      }
-      if (to.by_group()) {  // acc is the group's tile
-        add_outlier_products<L>(w, G, split.outliers, acc.data(), kGroup);
-        emit_group(acc.data(), M, G, to);
-        continue;
-      }
-      for (int64_t r = 0; r < M; ++r)
-        std::memcpy(out + r * out_stride + G * kGroup, acc.data() + r * kGroup, kGroup * sizeof(float));
-      add_outlier_products<L>(w, G, split.outliers, out + G * kGroup, out_stride);
+  run_groups(M, num_groups, out, out_stride, to, /*fine=*/true, [&](int64_t G, float* y, int64_t stride) {
+    thread_local std::vector<float> acc;  // block_rows sums into rows of 16
+    acc.assign(M * kGroup, 0.0f);
+    for (int64_t s = 0; s < num_blocks; ++s) {
+      alignas(32) float d[kGroup], m[kGroup];
+      int8_block_scales<L>(w, G, s, d, m);
+      const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
+      for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
+        block_rows_for<L>(std::min<int64_t>(kPassRows, M - r0))(block, d, m, xq, r0, K, s, acc.data());
     }
-  }, Schedule::kDynamic);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * stride, acc.data() + r * kGroup, kGroup * sizeof(float));
+    add_outlier_products<L>(w, G, split.outliers, y, stride);
+  });
 }
 #endif
 

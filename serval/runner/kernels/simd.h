@@ -52,6 +52,8 @@ inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 // Lanes [0, count) from a, the rest from b.
@@ -142,6 +144,8 @@ inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -236,6 +240,8 @@ inline Vec sub(Vec a, Vec b) { SERVAL_LANES(a.v[i] - b.v[i]); }
 inline Vec mul(Vec a, Vec b) { SERVAL_LANES(a.v[i] * b.v[i]); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { SERVAL_LANES(a.v[i] * b.v[i] + c.v[i]); }
 inline Vec max(Vec a, Vec b) { SERVAL_LANES(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline Vec min(Vec a, Vec b) { SERVAL_LANES(a.v[i] < b.v[i] ? a.v[i] : b.v[i]); }
+inline Vec div(Vec a, Vec b) { SERVAL_LANES(a.v[i] / b.v[i]); }
 inline Vec first_lanes(int64_t count, Vec a, Vec b) { SERVAL_LANES(i < count ? a.v[i] : b.v[i]); }
 inline Vec round_nearest(Vec a) { SERVAL_LANES(std::nearbyint(a.v[i])); }
 inline Vec times_pow2(Vec a, Vec n) { SERVAL_LANES(std::ldexp(a.v[i], static_cast<int>(n.v[i]))); }
@@ -300,6 +306,10 @@ inline Vec exp_nonpositive(Vec x) {
   p = fmadd(p, r, set1(1.0f));
   return times_pow2(p, n);
 }
+
+// e^x for x <= 88 (larger x taken as 88: e^88 ~ 1.65e38 is still finite): exp_nonpositive's range reduction and
+// polynomial hold up there too (2^n with n <= 127).
+inline Vec exp_bounded(Vec x) { return exp_nonpositive(min(x, set1(88.0f))); }
 
 // Asks for the cache line at p ahead of its use (a no-op where the target has no prefetch instruction).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
