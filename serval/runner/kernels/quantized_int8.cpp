@@ -21,6 +21,7 @@
 // v + 12 and the offset m = -12 d takes the shift back, as Q4_0's m = -8 d does; VPMADDUBSW's int16 sums
 // (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
 // magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
+#include "group_output.h"
 #include "int8_split.h"
 
 using namespace serval_kernels;
