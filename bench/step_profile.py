@@ -6,7 +6,8 @@ line per part: milliseconds a step (median over steps), its share of the step, a
 roofline that bounds it: GFLOP/s for the matmuls (2 M N K; the LM head's M is the rows that sample) with the
 packed weights' bytes read per second, and for a decode step's attention the K/V bytes it reads per second
 (every sequence's context, every layer). The fused step's own median comes first, for scale: the
-layer-by-layer total is the same work with more dispatch.
+layer-by-layer total is the same arithmetic with more dispatch, and with the residual adds and SwiGLU as
+passes of their own, which the fused step does inside its int8 matmuls (kernels/group_output.h).
 
 --prefill-tokens N makes every timed step a mixed one: beside the N decode rows, a new prompt of N tokens
 less the batch is prefilled whole (one output token), so that the step carries N tokens in all (512: the
