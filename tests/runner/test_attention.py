@@ -113,6 +113,14 @@ def test_decode_kernel_matches_dense_attention_at_every_tile_boundary(kernels, h
         )[0]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert (out[i].float() - expected).abs().max().item() < tol, (n, dtype)
+    # q as the DecodeStack passes it: the q part of fused qkv rows, rows apart, read in place.
+    qkv = torch.cat([q.flatten(1), torch.randn(len(lens), 2 * num_kv_heads * head_dim).to(dtype)], dim=1)
+    in_place = qkv[:, : num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    assert not in_place.is_contiguous()
+    strided = kernels.paged_decode_attention(
+        in_place, k_cache, v_cache, block_tables, torch.tensor(lens), scale, window, sinks
+    )
+    assert torch.equal(strided, out)
 
 
 # 48 takes the plain path; 32, 64 and 128 the tiled one (4 rows at a time, fewer for wider heads).

@@ -228,6 +228,7 @@ void decode_attention_impl(
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.data_ptr<T>();
+  const int64_t q_row_stride = q.stride(0);  // a fused qkv row's q part: its heads contiguous, rows apart
   const K* k_ptr = reinterpret_cast<const K*>(k_cache.data_ptr());
   const K* v_ptr = reinterpret_cast<const K*>(v_cache.data_ptr());
   T* out_ptr = out.data_ptr<T>();
@@ -278,7 +279,7 @@ void decode_attention_impl(
     }
     const int64_t first_head = seq * num_heads + kv_head * group;  // the group's first head, over all sequences
     for (int64_t g = 0; g < group; ++g) {
-      load_row(q_ptr + (first_head + g) * head_dim, qf.data() + g * head_dim, head_dim);
+      load_row(q_ptr + seq * q_row_stride + (kv_head * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       group_sinks[g] = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
     }
     const Context context{rows.data(), len, visible_from(seq) - first, static_cast<float>(scale), scratch.next_rows.data(),
@@ -308,7 +309,9 @@ void decode_attention_impl(
 at::Tensor paged_decode_attention(
     at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
     at::Tensor context_lens, double scale, int64_t window, at::Tensor sinks, int64_t value_dim) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && (q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2))),
+              "q: (sequences, heads, head_dim), each row's heads contiguous (its rows may be apart: a qkv view)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)");
   if (value_dim == 0) value_dim = q.size(2);

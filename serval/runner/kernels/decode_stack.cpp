@@ -197,7 +197,7 @@ class DecodeStack::Layers {
     rotary_embedding_(q, k, cos, sin);
     write_kv(w, k, v, slots);
     const auto paged = std::vector<int64_t>{-1, block_size_, num_kv_heads_, head_dim_};
-    auto attn = paged_decode_attention(q.contiguous(), w.k_cache.view(paged), w.v_cache.view(paged),
+    auto attn = paged_decode_attention(q, w.k_cache.view(paged), w.v_cache.view(paged),
                                        block_tables, context_lens, scale_, w.window, w.sinks);
     w.o.add_to(x, attn.view({rows, q_size}), w.o_bias);
     const auto h = rms_norm(x, w.post_norm, eps_);
