@@ -97,7 +97,13 @@ at::Tensor unpadded(const at::Tensor& out, int64_t N, at::ScalarType dtype) {
 // misses than unpadded's row-by-row pass (`perf`, 64-row decode step).
 constexpr int64_t kGroupwiseBf16Bytes = 1 << 20;
 
-// One call's packed matrix and how x meets it: quantized_linear's checks, shared with quantized_linear_add_.
+// Whether quantized_linear's codes are a checkpoint's 16-bit weights as stored (dense_linear computes those).
+bool sixteen_bit(const at::Tensor& codes) {
+  return codes.scalar_type() == at::kHalf || codes.scalar_type() == at::kBFloat16;
+}
+
+// One call's packed matrix and how x meets it: quantized_linear's checks and paths, which quantized_linear_add_
+// and quantized_swiglu take too.
 struct PackedCall {
   PackedMatrix w;
   Layout layout;
@@ -122,6 +128,8 @@ struct PackedCall {
 
   // A bf16 result group by group (GroupOutput): int8 rows of bf16 x, M > 0.
   bool by_group() const { return int8_rows && M > 0 && x.scalar_type() == at::kBFloat16; }
+  // ... and an N-wide result small enough for it (kGroupwiseBf16Bytes).
+  bool by_group_within(int64_t N) const { return by_group() && M * N * 2 <= kGroupwiseBf16Bytes; }
 
   void run_by_group(const GroupOutput& to) const {
     matmul_int8_rows(x.data_ptr<at::BFloat16>(), M, w, layout, num_groups, nullptr, 0, to);
@@ -141,6 +149,14 @@ struct PackedCall {
     else matmul_int16_rows(x.data_ptr<at::BFloat16>(), M, w, layout, num_groups, op, out.size(1));
     return out;
   }
+
+  // quantized_linear's (M, N) result in x's dtype.
+  at::Tensor result(int64_t N, at::ScalarType dtype) const {
+    if (!by_group_within(N)) return unpadded(run_padded(), N, dtype);
+    auto y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+    run_by_group(GroupOutput{y.data_ptr<at::BFloat16>(), nullptr, N});
+    return y;
+  }
 };
 
 }  // namespace
@@ -154,18 +170,12 @@ struct PackedCall {
 at::Tensor quantized_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                at::Tensor super_scales, int64_t N, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2, "x: (rows, K)");
-  if (codes.scalar_type() == at::kHalf || codes.scalar_type() == at::kBFloat16) {
+  if (sixteen_bit(codes)) {
     TORCH_CHECK(!present(scales) && !present(offsets) && !present(super_scales), "16-bit weights have no scales");
     TORCH_CHECK(codes.dim() == 2 && codes.size(0) == N, "16-bit weights: (N, K)");
     return dense_linear(x, codes);  // the checkpoint's F16/BF16 values as they are
   }
-  const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
-  if (call.by_group() && call.M * N * 2 <= kGroupwiseBf16Bytes) {
-    auto y = at::empty({call.M, N}, x.options().dtype(at::kBFloat16));
-    call.run_by_group(GroupOutput{y.data_ptr<at::BFloat16>(), nullptr, N});
-    return y;
-  }
-  return unpadded(call.run_padded(), N, x.scalar_type());
+  return PackedCall(x, codes, scales, offsets, super_scales, N, int8_batch_activations).result(N, x.scalar_type());
 }
 
 // residual += quantized_linear(x, ...), the same bits (a bf16 result is added as its bf16 values are), with
@@ -176,15 +186,13 @@ void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, 
   TORCH_CHECK(x.dim() == 2 && residual.dim() == 2 && residual.size(0) == x.size(0) && residual.size(1) == N,
               "residual: (rows, N), x: (rows, K)");
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous fp32");
-  const bool packed = codes.scalar_type() != at::kHalf && codes.scalar_type() != at::kBFloat16;
-  if (packed) {
-    const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
-    if (call.by_group()) {
-      call.run_by_group(GroupOutput{nullptr, residual.data_ptr<float>(), N});
-      return;
-    }
+  if (sixteen_bit(codes)) {
+    residual.add_(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
+    return;
   }
-  residual.add_(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
+  const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
+  if (call.by_group()) call.run_by_group(GroupOutput{nullptr, residual.data_ptr<float>(), N});
+  else residual.add_(call.result(N, x.scalar_type()));
 }
 
 // silu_mul(quantized_linear(x, ...)) of a SwiGLU gate_up matrix (N = 2 inter: gate's rows, then up's), the same
@@ -194,14 +202,11 @@ at::Tensor quantized_swiglu(at::Tensor x, at::Tensor codes, at::Tensor scales, a
                             at::Tensor super_scales, int64_t N, bool int8_batch_activations) {
   TORCH_CHECK(x.dim() == 2 && N % 2 == 0, "x: (rows, K); N: gate's and up's rows");
   const int64_t inter = N / 2;
-  const bool packed = codes.scalar_type() != at::kHalf && codes.scalar_type() != at::kBFloat16;
-  if (packed && inter % kGroup == 0) {
-    const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
-    if (call.by_group() && call.M * N * 2 <= kGroupwiseBf16Bytes) {
-      auto y = at::empty({call.M, inter}, x.options().dtype(at::kBFloat16));
-      call.run_by_group(GroupOutput{y.data_ptr<at::BFloat16>(), nullptr, inter, /*swiglu=*/true});
-      return y;
-    }
-  }
-  return silu_mul(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
+  if (sixteen_bit(codes))
+    return silu_mul(quantized_linear(x, codes, scales, offsets, super_scales, N, int8_batch_activations));
+  const PackedCall call(x, codes, scales, offsets, super_scales, N, int8_batch_activations);
+  if (inter % kGroup != 0 || !call.by_group_within(N)) return silu_mul(call.result(N, x.scalar_type()));
+  auto y = at::empty({call.M, inter}, x.options().dtype(at::kBFloat16));
+  call.run_by_group(GroupOutput{y.data_ptr<at::BFloat16>(), nullptr, inter, /*swiglu=*/true});
+  return y;
 }
