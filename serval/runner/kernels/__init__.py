@@ -50,7 +50,16 @@ SOURCES = tuple(
 )
 _HEADERS = tuple(
     os.path.join(_DIRECTORY, name)
-    for name in ("common.h", "simd.h", "quantized.h", "int8_split.h", "group_output.h", "decode_stack.h")
+    for name in (
+        "common.h",
+        "simd.h",
+        "quantized.h",
+        "int8_split.h",
+        "group_output.h",
+        "int8_codes.h",
+        "int8_rows_avx2.h",
+        "decode_stack.h",
+    )
 )
 # -fno-associative-math: fast math without reordering sums, so a loop adds in the order it is written in every
 # place it is inlined (the explicit SIMD code fixes its own order; the plain loops' order would otherwise be

@@ -89,13 +89,17 @@ inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec ou
   return visible_lanes(c.skip, c.len - 1, t0 / simd::kWidth, a, outside);
 }
 
-// The V pass's output vectors at a time: all of a head of up to 16 vectors, else 8 (a 512-wide latent: 32 or 64
-// vectors, past the register file). Each output value's sum goes over the same tokens in the same order either way.
-constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
-
-// Accumulators the V pass keeps in registers: half the register file (32 on AVX-512, 16 on AVX2), the rest
-// for the V row and the weights.
-constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 8;
+// The V pass's output vectors at a time, and the accumulators it keeps in registers (NH = their number / the
+// chunk: the heads a sweep over the V rows takes). AVX-512: all of a head of up to 16 vectors, else 8 (a
+// 512-wide latent: 32 or 64 vectors, past the register file), and 16 accumulators, half the register file.
+// AVX2 (16 registers): chunks of 4 vectors and 12 accumulators, so that a sweep takes 3 heads (the default
+// model's group) and each V row is read once for them, not once a head: a row of 64 fp32 values (4 cache
+// lines) did not stay in L1 from one head's sweep to the next, and the three sweeps' reads from L2 bound the
+// pass. Each output value's sum goes over the same tokens in the same order either way.
+constexpr int value_chunk(int vectors) {
+  return simd::kWidth == 16 ? (vectors <= 16 ? vectors : 8) : std::min(vectors, 4);
+}
+constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 12;
 
 // One sweep of the V pass over NH heads of a group and one chunk of CB output vectors: each V row is read and
 // widened once for all NH heads. out_h = sum_t p_h,t v_t * inv_h, the tokens in order, as one head alone sums.
@@ -113,11 +117,13 @@ void weigh_values(const T* v_cache, const Context& c, const float* const* weight
   for (int64_t t = c.skip; t < c.len; ++t) {
     if (t + ask_from < ask_end) prefetch_rows<T, D>(k_cache, c.next_rows, t + ask_from, t + ask_from + 1, c.k_scales);
     const CacheRow<T> v(v_cache + c.rows[t], row_scale(c.v_scales, c.rows[t], D));
-    Vec row[CB];
-    for (int i = 0; i < CB; ++i) row[i] = v.load(W * (c0 + i));
-    for (int h = 0; h < NH; ++h) {
-      const Vec p = simd::set1(weights[h][t]);
-      for (int i = 0; i < CB; ++i) acc[h][i] = simd::fmadd(p, row[i], acc[h][i]);
+    // The weights first, then a row vector at a time: NH + 1 registers beside the accumulators (AVX2's 12
+    // and the row's 4 vectors held at once left one accumulator in memory, a store and a load a token).
+    Vec p[NH];
+    for (int h = 0; h < NH; ++h) p[h] = simd::set1(weights[h][t]);
+    for (int i = 0; i < CB; ++i) {
+      const Vec row = v.load(W * (c0 + i));
+      for (int h = 0; h < NH; ++h) acc[h][i] = simd::fmadd(p[h], row, acc[h][i]);
     }
   }
   for (int h = 0; h < NH; ++h) {

@@ -1,0 +1,51 @@
+// What quantized_int8.cpp's products (both ISAs) take from a packed 4-bit block beside its nibbles: MXFP4's
+// codes as an int8 table and each block's d and m.
+//
+// MXFP4's codes are signed table values v (-12..12, quantized.h), which the unsigned operand of VPMADDUBSW and
+// VPDPBUSD cannot take as they are. With VPDPBUSD's int32 sums (AVX-512) the table is shifted to unsigned
+// v + 12 and the offset m = -12 d takes the shift back, as Q4_0's m = -8 d does; VPMADDUBSW's int16 sums
+// (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
+// magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
+#pragma once
+#include "quantized.h"
+
+#if defined(__AVX2__)
+namespace serval_kernels::quantized {
+
+// The table MXFP4's nibbles are looked up in, as the products here take them (above): v + 12 with
+// VPDPBUSD's int32 sums, signed v with VPMADDUBSW's int16 ones.
+#if defined(__AVX512VNNI__)
+inline constexpr bool kTableShifted = true;
+alignas(16) inline constexpr int8_t kInt8Table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#else
+inline constexpr bool kTableShifted = false;
+alignas(16) inline constexpr int8_t kInt8Table[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#endif
+
+// block_scales, with MXFP4's m the one its codes here need: -12 d for the shifted table, else 0 (block_scales
+// gives MXFP4 none). -12 d is exact: 3 times a power of two.
+template <Layout L>
+inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
+  block_scales<L>(w, G, s, d, m);
+  if constexpr (Traits<L>::kCodeTable)
+    for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;
+}
+
+// Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.
+template <Layout L>
+inline __m256i int8_codes(__m256i nibbles) {
+  if constexpr (!Traits<L>::kCodeTable) return nibbles;
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
+}
+
+// VPMADDUBSW of codes and x: for signed codes (MXFP4 on AVX2) their magnitudes times x with their signs.
+template <Layout L>
+inline __m256i pair_products(__m256i codes, __m256i x) {
+  if constexpr (Traits<L>::kCodeTable && !kTableShifted)
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes));
+  return _mm256_maddubs_epi16(codes, x);
+}
+
+}  // namespace serval_kernels::quantized
+#endif
