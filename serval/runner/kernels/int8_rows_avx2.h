@@ -137,7 +137,7 @@ GroupFewRows group_few_rows_for(int64_t rows) {
 }
 
 // Many rows without AVX-VNNI: each scale block's codes are unpacked once into the operands above (512 bytes,
-// in L1) for all of x's rows, which then take them R rows a pass, their int16 sums in registers and their
+// in L1) for a tile of x's rows (kRowTile), which then take them R rows a pass, their int16 sums in registers and their
 // fp32 results in `acc` (rows of 16 in the a and b order). Before, each 4-row pass unpacked the block again
 // and broadcast x 2 bytes at a time, its sums spilled (a 64-row decode step's matmuls ran at 145-180 GFLOP/s
 // on AMD family 25, AVX2).
@@ -173,30 +173,30 @@ void block_passes(const __m256i* operands, const __m256* d, const __m256* m, con
 // shapes): 64 rows 0.86x the time of 64-row tiles, 512 rows 0.88x those and ~0.75x one tile; 16 rows no better.
 constexpr int64_t kRowTile = 32;
 
-// out (group G's 16 columns of rows first_row .. first_row + rows, rows out_stride apart) = its products with x.
+// out (group G's 16 columns of rows first_row .. first_row + rows, rows out_stride apart; rows <= kRowTile) = its
+// products with x.
 template <Layout L>
 void group_block_passes(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t first_row, int64_t rows,
                         float* out, int64_t out_stride) {
   const int64_t K = w.K, num_blocks = K / kBlock, whole = rows / kBlockPassRows * kBlockPassRows;
-  thread_local std::vector<float> acc;
-  acc.assign(rows * kGroup, 0.0f);
+  alignas(32) float acc[kRowTile * kGroup];
+  std::fill_n(acc, rows * kGroup, 0.0f);
   alignas(32) __m256i operands[16];
   for (int64_t s = 0; s < num_blocks; ++s) {
     const uint8_t* block = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes;
     for (int c = 0; c < 4; ++c) dword_operands<L>(block + c * kChunkBytes, operands + 4 * c);
     __m256 d[2], m[2];
     ab_scales<L>(w, G, s, d, m);
-    block_passes<L, kBlockPassRows>(operands, d, m, xq, first_row, whole, K, s, acc.data());
+    block_passes<L, kBlockPassRows>(operands, d, m, xq, first_row, whole, K, s, acc);
     if (whole < rows) {
       with_row_count<kBlockPassRows - 1>(rows - whole, [&](auto R) {
-        float* rest = acc.data() + whole * kGroup;
-        block_passes<L, R.value>(operands, d, m, xq, first_row + whole, rows - whole, K, s, rest);
+        block_passes<L, R.value>(operands, d, m, xq, first_row + whole, rows - whole, K, s, acc + whole * kGroup);
       });
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* y = acc.data() + r * kGroup;
-    store_in_order(out + (first_row + r) * out_stride, _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8));
+    const float* y = acc + r * kGroup;
+    store_in_order(out + (first_row + r) * out_stride, _mm256_load_ps(y), _mm256_load_ps(y + 8));
   }
 }
 
