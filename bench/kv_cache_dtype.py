@@ -1,16 +1,18 @@
-"""Decode steps with the compute dtype's KV cache against an 8-bit one (`--kv-cache-dtype fp8_e5m2`), side by side
-in one process.
+"""Decode steps with the compute dtype's KV cache against a narrower one (`--kv-cache-dtype int8`, `fp8_e5m2`,
+or `bfloat16` where the compute dtype is fp32), side by side in one process.
 
 Two engines on the same weights each prefill the same `--batch-size` random 128-token prompts; then they take
 turns, `--steps` decode steps at a time for `--rounds` rounds, so that a shared machine's drift hits both alike.
 Printed: one JSON line per cache dtype (the median step in ms and its 10th percentile, tokens/s at the median),
-then the ratio of the medians (8-bit over the compute dtype's).
+then the ratio of the medians (the narrower cache's over the compute dtype's).
 
 --kernel times the decode attention kernel alone instead: `--batch-size` sequences of `--context` tokens (the
 default model's 9 heads over 3 kv heads of 64), every layer's K/V its own memory, three models' worth so that
-they come from memory and not the L3 as in a served step, bf16 against both 8-bit caches in turns.
+they come from memory and not the L3 as in a served step; q in this CPU's compute dtype (bf16, or fp32 where
+it has no bf16 arithmetic), a cache of that dtype against the narrower ones in turns.
 
     .venv/bin/python bench/kv_cache_dtype.py --batch-size 64
+    .venv/bin/python bench/kv_cache_dtype.py --batch-size 64 --kv-cache-dtype bfloat16
     .venv/bin/python bench/kv_cache_dtype.py --kernel --batch-size 64 --context 160
 """
 
@@ -26,6 +28,7 @@ from step_profile import prefilled_engine
 
 from serval.runner.attention.cache_dtype import int8_cache_of
 from serval.runner.kernels import load_cpu_kernels
+from serval.runner.placement import resolve_dtype
 
 
 def kernel_times(batch_size: int, context: int, rounds: int) -> None:
@@ -34,14 +37,18 @@ def kernel_times(batch_size: int, context: int, rounds: int) -> None:
     blocks = batch_size * ((context + block_size - 1) // block_size)
     tables = torch.randperm(blocks).view(batch_size, -1)
     lengths = torch.full((batch_size,), context, dtype=torch.long)
-    q = torch.randn(batch_size, 3 * kv_heads, head_dim).to(torch.bfloat16)
+    compute_dtype = resolve_dtype("auto", torch.device("cpu"))
+    q = torch.randn(batch_size, 3 * kv_heads, head_dim).to(compute_dtype)
     shape = (blocks, block_size, kv_heads, head_dim)
 
     as_kind = {
+        "float32": lambda t: t,  # an fp32 compute dtype's "auto"
         "bfloat16": lambda t: t.to(torch.bfloat16),
         "fp8_e5m2": lambda t: t.to(torch.float8_e5m2),
         "int8": int8_cache_of,  # codes, and their rows' scales after them
     }
+    if compute_dtype != torch.float32:
+        del as_kind["float32"]
     caches = {
         kind: [(to_kind(torch.randn(shape)), to_kind(torch.randn(shape))) for _ in range(layers * copies)]
         for kind, to_kind in as_kind.items()
@@ -59,7 +66,8 @@ def kernel_times(batch_size: int, context: int, rounds: int) -> None:
         cache_bytes *= caches[kind][0][0].element_size()  # (an int8 cache's scales not counted)
         print(json.dumps({
             "bench": "kv_cache_dtype", "kernel": "paged_decode_attention", "kv_cache_dtype": kind,
-            "kernels": kernels.variant, "threads": torch.get_num_threads(), "batch_size": batch_size,
+            "q_dtype": str(compute_dtype).removeprefix("torch."), "kernels": kernels.variant,
+            "threads": torch.get_num_threads(), "batch_size": batch_size,
             "context": context, "layers": layers, "median_ms": round(ms, 3),
             "kv_gb_s": round(cache_bytes / ms / 1e6, 1),
         }))  # fmt: skip
@@ -73,7 +81,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10, help="decode steps an engine takes per turn")
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--kv-cache-dtype", default="int8", help="the 8-bit cache compared (int8, fp8_e5m2)")
+    parser.add_argument(
+        "--kv-cache-dtype", default="int8", help="the narrower cache compared (int8, fp8_e5m2, bfloat16)"
+    )
     parser.add_argument("--kernel", action="store_true", help="the decode attention kernel alone")
     parser.add_argument("--context", type=int, default=160, help="--kernel's tokens a sequence")
     args = parser.parse_args()
@@ -103,7 +113,7 @@ def main() -> None:
             "p10_ms": round(statistics.quantiles(times[name], n=10)[0], 2),
             "tokens_per_s": round(args.batch_size / medians[name] * 1e3, 1),
         }))  # fmt: skip
-    print(json.dumps({"ratio_8bit_over_auto": round(medians[args.kv_cache_dtype] / medians["auto"], 3)}))
+    print(json.dumps({"ratio_over_auto": round(medians[args.kv_cache_dtype] / medians["auto"], 3)}))
 
 
 if __name__ == "__main__":

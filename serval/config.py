@@ -64,7 +64,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")  # "fp8": e5m2, as vLLM's CPU backend reads it
+# "fp8": e5m2, as vLLM's CPU backend reads it.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ class CacheConfig:
     # Most of the KV cache explicit prompt caching (cache_control) may pin. The rest always stays free for
     # running requests, so the context limit shrinks by it; pins need the prefix cache, without it none.
     max_pinned_kv_fraction: float = 0.25
-    # What the KV cache holds (runner/attention/cache_dtype.py): "auto", the model's compute dtype; one byte a
+    # What the KV cache holds (runner/attention/cache_dtype.py): "auto", the model's compute dtype; "bfloat16",
+    # half an fp32 cache's bytes where the compute dtype is fp32 (CPUs without bf16 arithmetic); one byte a
     # value, so twice a bf16 cache's tokens in the same memory and half the bytes a decode step's attention
     # reads: "fp8_e5m2" (or "fp8", as vLLM's CPU backend takes it), each value rounded to 2 mantissa bits;
     # "int8", each row of head_dim values as codes and one scale (4 bytes more a row), far closer to the

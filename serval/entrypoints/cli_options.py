@@ -286,9 +286,10 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
-        help="what the KV cache holds (default auto: the model's dtype; a byte a value, about twice the "
-        "tokens: int8, rows of codes and a scale each, or fp8_e5m2 (fp8 as vLLM's CPU backend takes it), "
-        "coarser; docs/configuration.md)",
+        help="what the KV cache holds (default auto: the model's dtype; bfloat16: half an fp32 cache's bytes "
+        "where the compute dtype is fp32; a byte a value, about twice a bf16 cache's tokens: int8, rows of "
+        "codes and a scale each, or fp8_e5m2 (fp8 as vLLM's CPU backend takes it), coarser; "
+        "docs/configuration.md)",
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument(

@@ -94,7 +94,7 @@ class LLM:
         close() stops them (else they stop when this process exits). speculative_config: vLLM's keys
         ({"method": "ngram", "num_speculative_tokens": 4, ...}; config.SpeculativeConfig).
         deterministic, attention_backend, cuda_graph_max_batch: ModelConfig's (docs/cuda.md).
-        kv_cache_dtype: CacheConfig's ("fp8_e5m2": an 8-bit KV cache)."""
+        kv_cache_dtype: CacheConfig's ("bfloat16" under fp32 compute; "int8", "fp8_e5m2": 8-bit)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(

@@ -18,7 +18,7 @@ class RunnerInfo:
     dtype: str
     device: str
     kv_cache_dtype: str = (
-        ""  # what the KV cache holds: the compute dtype, "float8_e5m2" or "int8"; "": as dtype
+        ""  # what the KV cache holds: the compute dtype, "bfloat16", "float8_e5m2" or "int8"; "": as dtype
     )
     max_loras: int = 0  # adapter slots; 0: LoRA is not enabled
     architecture: str = ""  # e.g. "LlamaForCausalLM"

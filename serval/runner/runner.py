@@ -67,6 +67,7 @@ class ModelRunner:
         )
         check_cache_dtype_runs(
             cache_config.kv_cache_dtype,
+            self.dtype,
             self.attention_backend.name,
             self.model.kv_cache_spec(self.arch).is_latent,
         )

@@ -285,6 +285,7 @@ def test_the_kv_cache_dtype_flag_reaches_the_cache_config(capsys):
     assert cache_config().kv_cache_dtype == "auto"
     assert cache_config("--kv-cache-dtype", "fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     assert cache_config("--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"  # e5m2, as vLLM's CPU backend
+    assert cache_config("--kv-cache-dtype", "bfloat16").kv_cache_dtype == "bfloat16"  # vLLM's name
     with pytest.raises(SystemExit):
         cache_config("--kv-cache-dtype", "fp8_e4m3")
     assert "invalid choice" in capsys.readouterr().err

@@ -1,9 +1,10 @@
-"""8-bit KV caches (`kv_cache_dtype="fp8_e5m2"` and `"int8"`) through the whole engine on tiny random-weight
-models: the native backend (its fused decode included) gives the SDPA reference backend's greedy tokens,
-logprobs within fp32 rounding, over the same rounded cache; a request's tokens are bitwise the same alone or
-beside others in chunked, mixed steps; the cache holds the tokens its bytes allow and frees every block; the
-rounding is real (logprobs move off the 32-bit cache's) and bounded, int8 rows closer than e5m2; the Triton
-backend, which reads int8 rows or the model's dtype, is refused with fp8 at start-up."""
+"""Narrower KV caches (`kv_cache_dtype="bfloat16"` under fp32 compute, `"fp8_e5m2"` and `"int8"`) through the
+whole engine on tiny random-weight models: the native backend (its fused decode included) gives the SDPA
+reference backend's greedy tokens, logprobs within fp32 rounding, over the same rounded cache; a request's
+tokens are bitwise the same alone or beside others in chunked, mixed steps; the cache holds the tokens its
+bytes allow and frees every block; the rounding is real (logprobs move off the 32-bit cache's) and bounded,
+bf16 closer than int8 rows, int8 closer than e5m2; the Triton backend, which reads int8 rows or the model's
+dtype, is refused with fp8 and with bf16 under fp32 compute at start-up."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from tests.engine.chunked_waves import (
 from tests.fixtures.kernels import require_kernels
 from tests.fixtures.triton_interpreter import triton_interpreter  # noqa: F401 (a fixture)
 
-KINDS = ["fp8_e5m2", "int8"]
+KINDS = ["bfloat16", "fp8_e5m2", "int8"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("architecture", ["llama", "gpt_oss"])  # gpt-oss: sliding windows, sink logits
-def test_the_native_backend_matches_the_sdpa_backend_over_an_8bit_cache(
+def test_the_native_backend_matches_the_sdpa_backend_over_a_narrower_cache(
     tiny_model_factory, architecture, kind
 ):
     require_kernels()
@@ -52,19 +53,18 @@ def test_a_request_is_answered_alike_alone_or_batched(tiny_model_factory, dtype,
         assert alone[request_id] == together[request_id], request_id
 
 
-def test_the_8bit_caches_hold_more_tokens_and_round_within_bounds(tiny_model_factory):
+def test_the_narrower_caches_hold_more_tokens_and_round_within_bounds(tiny_model_factory):
     require_kernels()
     directory, _ = tiny_model_factory("llama", False)
     budget = {"kv_cache_memory_bytes": 4 << 20}
     engines = {kind: chunking_engine(directory, "native-cpu", kind, **budget) for kind in ["auto", *KINDS]}
     runner = engines["auto"].runner
     spec = runner.model.kv_cache_spec(runner.arch)
-    assert [engines[k].runner.kv_caches[0][0].dtype for k in engines] == [
-        torch.float32,
-        torch.float8_e5m2,
-        torch.int8,
+    dtypes = [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int8]
+    assert [engines[k].runner.kv_caches[0][0].dtype for k in engines] == dtypes
+    assert [engines[k].runner.info.cache_dtype for k in engines] == [
+        str(d).removeprefix("torch.") for d in dtypes
     ]
-    assert [engines[k].runner.info.cache_dtype for k in engines] == ["float32", "float8_e5m2", "int8"]
 
     def blocks_of(
         bytes_a_value: int, row_width: int
@@ -74,6 +74,7 @@ def test_the_8bit_caches_hold_more_tokens_and_round_within_bounds(tiny_model_fac
     blocks = {kind: engine.runner.info.num_blocks for kind, engine in engines.items()}
     assert blocks == {
         "auto": blocks_of(4, spec.head_dim),
+        "bfloat16": blocks_of(2, spec.head_dim),
         "fp8_e5m2": blocks_of(1, spec.head_dim),
         "int8": blocks_of(1, spec.head_dim + 4),  # an int8 row ends in its 4-byte scale
     }
@@ -83,9 +84,9 @@ def test_the_8bit_caches_hold_more_tokens_and_round_within_bounds(tiny_model_fac
         rounded = run_waves(engines[kind], [FIRST_WAVE])
         worst[kind] = max(_logprob_differences(exact[r], rounded[r]) for r in FIRST_WAVE)
     # Rounded K and V move the logprobs (a cache that kept the values would not), but not far on this model:
-    # a bound that an unrounded read or a wrong widening (a misplaced byte, a lost scale) breaks. int8 rows
-    # keep ~7 bits against e5m2's 3.
-    assert 1e-5 < worst["int8"] < worst["fp8_e5m2"] < 0.1, worst
+    # a bound that an unrounded read or a wrong widening (a misplaced byte, a lost scale) breaks. bf16 keeps 8
+    # significant bits a value, int8 rows ~7 against their largest value, e5m2 3.
+    assert 1e-6 < worst["bfloat16"] < worst["int8"] < worst["fp8_e5m2"] < 0.1, worst
 
 
 def _logprob_differences(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> float:
@@ -101,8 +102,9 @@ def _logprob_differences(a: tuple[list[int], list[float]], b: tuple[list[int], l
 
 def test_the_triton_backend_is_refused_with_an_fp8_cache(tiny_model_factory, triton_interpreter):  # noqa: F811
     directory, _ = tiny_model_factory("llama", False)
-    with pytest.raises(ValueError, match="native-cpu and sdpa"):
-        chunking_engine(directory, "triton", "fp8_e5m2")
+    for kind in ("fp8_e5m2", "bfloat16"):  # bf16 under fp32 compute: not the model's dtype
+        with pytest.raises(ValueError, match="native-cpu and sdpa"):
+            chunking_engine(directory, "triton", kind)
     assert (
         chunking_engine(directory, "triton", "int8").runner.attention_backend.name == "triton"
     )  # test_triton_engine.py

@@ -1,8 +1,8 @@
-"""8-bit KV caches in the native kernels, every instruction-set variant: the cache writes give exactly the bytes
-of the PyTorch path (fp8 e5m2: torch's `.to(torch.float8_e5m2)`; int8: cache_dtype.quantize_rows' codes and
-scales, the scales after the codes in the cache's buffer), and the attention kernels read an 8-bit cache as
-they read its values widened (fp8: to q's dtype; int8: code * scale in fp32), bit for bit; decode stays
-bitwise equal to prefill over an int8 cache."""
+"""Narrower KV caches in the native kernels, every instruction-set variant: the cache writes give exactly the
+bytes of the PyTorch path (bf16 under fp32/fp16 rows and fp8 e5m2: torch's `.to()`; int8:
+cache_dtype.quantize_rows' codes and scales, the scales after the codes in the cache's buffer), and the
+attention kernels read such a cache as they read its values widened (bf16, fp8: to q's dtype; int8: code *
+scale in fp32), bit for bit; decode stays bitwise equal to prefill over an int8 cache."""
 
 from __future__ import annotations
 
@@ -51,6 +51,32 @@ def test_cache_writes_round_as_torch_does(kernels, dtype):
     assert torch.equal(_cache_bytes(torch_cache), _cache_bytes(narrow_cache))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bf16_cache_writes_round_as_torch_does(kernels, dtype):
+    """`--kv-cache-dtype bfloat16` under fp32 (or fp16) compute: each value to nearest even, as torch's .to()
+    rounds it; NaN stays NaN (torch's vector path writes 0xFFFF, c10's scalar one and the kernels 0x7FC0)."""
+    torch.manual_seed(1)
+    scales = (1e-30, 1e-6, 1.0, 1e3, 6e4) if dtype == torch.float16 else (1e-38, 1e-6, 1.0, 1e3, 1e30)
+    # Ties: the 16 bits dropped are exactly 0x8000, with the kept bits' last bit odd and even.
+    ties = torch.tensor([0x3F818000, 0x3F808000, 0x47008000], dtype=torch.int32).view(torch.float32)
+    values = torch.cat([torch.tensor(EDGES), ties, -ties] + [torch.randn(2000) * scale for scale in scales])
+    rows = values[: values.numel() // 30 * 30].to(dtype).view(-1, 3, 10)  # 30 values a row: the tails
+    cache = torch.zeros(2 * rows.shape[0], 3, 10, dtype=torch.bfloat16)
+    slots = torch.randperm(cache.shape[0])[: rows.shape[0]]
+    kernels.store_cache_rows(rows, cache, slots)
+    want = rows.to(torch.bfloat16)
+    assert torch.equal(cache[slots].isnan(), want.isnan()) and want.isnan().any()
+    numbers = ~want.isnan()
+    assert torch.equal(cache[slots][numbers].view(torch.int16), want[numbers].view(torch.int16))
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].view(torch.int16).any()
+    # The PyTorch backends' write gives the same values.
+    torch_cache = torch.zeros_like(cache)
+    store_rows(rows, torch_cache, slots)
+    assert torch.equal(torch_cache[slots][numbers].view(torch.int16), want[numbers].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 48, 28])  # 28: the vector loops' tails
 def test_int8_rows_are_the_pytorch_paths_bytes(kernels, dtype, head_dim):
@@ -83,7 +109,7 @@ def test_a_cache_of_another_dtype_is_refused(kernels):
         kernels.store_cache_rows(rows, torch.zeros(4, 3, 16, dtype=torch.float16), torch.tensor([0, 1]))
     q = torch.randn(1, 6, 32)
     cache = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="q's dtype, fp8 e5m2 or int8 rows"):
+    with pytest.raises(RuntimeError, match="q's dtype, bf16, fp8 e5m2 or int8 rows"):
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([3]), 0.1)
     bare_int8 = torch.zeros(4, 16, 2, 32, dtype=torch.int8)  # codes without the scales after them
     with pytest.raises(RuntimeError, match="a scale a row after them"):
@@ -93,11 +119,12 @@ def test_a_cache_of_another_dtype_is_refused(kernels):
 
 
 def _caches(kind: str, dtype: torch.dtype, shape: tuple[int, ...]):
-    """(k, v) 8-bit caches of `kind` and the same values widened: to q's dtype (fp8, exact), or to fp32 (int8
-    rows, code * scale: the kernels' own products, which q's dtype need not hold)."""
+    """(k, v) narrower caches of `kind` and the same values widened: to q's dtype (bf16 and fp8, exact), or to
+    fp32 (int8 rows, code * scale: the kernels' own products, which q's dtype need not hold)."""
     k, v = torch.randn(shape) * 2, torch.randn(shape)
-    if kind == "fp8_e5m2":
-        k, v = k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)
+    if kind in ("bfloat16", "fp8_e5m2"):
+        narrow = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}[kind]
+        k, v = k.to(narrow), v.to(narrow)
         return k, v, k.to(dtype), v.to(dtype)
     k, v = int8_cache_of(k), int8_cache_of(v)
     return k, v, widened(k), widened(v)
@@ -106,9 +133,10 @@ def _caches(kind: str, dtype: torch.dtype, shape: tuple[int, ...]):
 @pytest.mark.parametrize("attention", list(GPT_OSS))
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48: both kernels' plain paths
 @pytest.mark.parametrize(("kind", "dtype"), [("fp8_e5m2", torch.float32), ("fp8_e5m2", torch.bfloat16),
-                                             ("int8", torch.float32)])  # fmt: skip
-def test_attention_reads_an_8bit_cache_as_its_widened_values(kernels, head_dim, kind, dtype, attention):
-    """Decode (a batch of many sequences) and prefill (chunks after cached prefixes) over an 8-bit cache give
+                                             ("int8", torch.float32), ("bfloat16", torch.float32),
+                                             ("bfloat16", torch.float16)])  # fmt: skip
+def test_attention_reads_a_narrower_cache_as_its_widened_values(kernels, head_dim, kind, dtype, attention):
+    """Decode (a batch of many sequences) and prefill (chunks after cached prefixes) over a narrower cache give
     bitwise what they give over the same values widened: the widening is the kernels' own, and the arithmetic
     after it is the 16/32-bit path's."""
     torch.manual_seed(head_dim)
@@ -144,10 +172,10 @@ def test_attention_reads_an_8bit_cache_as_its_widened_values(kernels, head_dim, 
     assert torch.equal(prefill(cache_8bit, values_8bit), prefill(k_wide, v_wide))
 
 
-@pytest.mark.parametrize("kind", ["fp8_e5m2", "int8"])
-def test_latent_attention_reads_an_8bit_cache(kernels, kind):
+@pytest.mark.parametrize("kind", ["fp8_e5m2", "int8", "bfloat16"])
+def test_latent_attention_reads_a_narrower_cache(kernels, kind):
     """MLA's absorbed attention (a 576-wide latent row, its first 512 the value; an int8 row's scale after all
-    576) over one 8-bit tensor."""
+    576) over one narrower tensor."""
     torch.manual_seed(5)
     dtype = torch.bfloat16 if kind == "fp8_e5m2" else torch.float32
     latent_8bit, _, wide, _ = _caches(kind, dtype, (24, 16, 1, 576))

@@ -1,4 +1,7 @@
-"""What the KV cache holds: the compute dtype, or one byte a value (`CacheConfig.kv_cache_dtype`).
+"""What the KV cache holds: the compute dtype, bf16, or one byte a value (`CacheConfig.kv_cache_dtype`).
+
+- "bfloat16": each value rounded to bf16 (to nearest even, as torch's .to rounds) where the compute dtype is
+  wider: half an fp32 cache's bytes, for CPUs without bf16 arithmetic (AVX2), where "auto" is fp32.
 
 - "fp8_e5m2" (or "fp8", as vLLM's CPU backend takes it): each value rounded to fp8 e5m2 (2 mantissa bits).
 - "int8": each (token, kv head) row of head_dim values as int8 codes and one fp32 scale (max |x| / 127), as
@@ -25,16 +28,16 @@ import torch
 def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """CacheConfig.kv_cache_dtype's tensor dtype: "auto" keeps the compute dtype; "fp8" is e5m2, as vLLM's CPU
     backend takes it."""
-    return {"fp8": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}.get(
-        name, compute_dtype
-    )
+    named = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2}
+    return {**named, "int8": torch.int8}.get(name, compute_dtype)
 
 
-def check_cache_dtype_runs(name: str, backend: str, is_latent: bool) -> None:
-    """Refuse at start-up what does not read a narrower cache: fp8 on the Triton kernels (they read int8 rows
-    or the model's dtype), and an int8 latent (MLA) cache on the SDPA backend (its value view of the latent
-    rows would lose the scales' place)."""
-    if name in ("fp8", "fp8_e5m2") and backend == "triton":
+def check_cache_dtype_runs(name: str, compute_dtype: torch.dtype, backend: str, is_latent: bool) -> None:
+    """Refuse at start-up what does not read a narrower cache: fp8, and bf16 under another compute dtype, on the
+    Triton kernels (they read int8 rows or the model's dtype), and an int8 latent (MLA) cache on the SDPA
+    backend (its value view of the latent rows would lose the scales' place)."""
+    narrower = name in ("fp8", "fp8_e5m2") or (name == "bfloat16" and compute_dtype != torch.bfloat16)
+    if narrower and backend == "triton":
         raise ValueError(
             f"kv_cache_dtype={name!r} runs on the native-cpu and sdpa attention backends; the Triton kernels "
             "read int8 rows or the model's dtype"

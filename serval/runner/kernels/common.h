@@ -197,18 +197,19 @@ struct CacheRow<Int8Row> {
 };
 
 // f(Q{}, K{}) for the attention kernels' query and output dtype Q and their cache's element type K: the cache
-// holds q's dtype, fp8 e5m2 (`--kv-cache-dtype fp8_e5m2`, widened exactly as it is read) or int8 codes with a
-// scale a row after them (`int8`, Int8Row).
+// holds q's dtype, bf16 under an fp32 or fp16 q (`--kv-cache-dtype bfloat16`) or fp8 e5m2 (`fp8_e5m2`), both
+// widened exactly as they are read, or int8 codes with a scale a row after them (`int8`, Int8Row).
 template <typename F>
 void with_attention_types(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
   const auto cache_type = k_cache.scalar_type();
-  const bool fp8 = cache_type == at::kFloat8_e5m2, int8 = cache_type == at::kChar;
-  TORCH_CHECK(v_cache.scalar_type() == cache_type && (fp8 || int8 || cache_type == q.scalar_type()),
-              "the KV cache: q's dtype, fp8 e5m2 or int8 rows, K and V alike");
+  const bool fp8 = cache_type == at::kFloat8_e5m2, int8 = cache_type == at::kChar, bf16 = cache_type == at::kBFloat16;
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && (fp8 || int8 || bf16 || cache_type == q.scalar_type()),
+              "the KV cache: q's dtype, bf16, fp8 e5m2 or int8 rows, K and V alike");
   TORCH_CHECK(k_cache.size(-1) == q.size(-1), "cache rows of q's head_dim");
   const auto with_cache = [&](auto query) {
     if (fp8) f(query, at::Float8_e5m2{});
     else if (int8) f(query, Int8Row{});
+    else if (bf16) f(query, at::BFloat16{});
     else f(query, query);
   };
   if (q.scalar_type() == at::kFloat) with_cache(float{});

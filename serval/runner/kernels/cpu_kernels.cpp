@@ -205,23 +205,24 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor si
   }
 }
 
-// Each row of src into its slot of the cache, in the cache's form: a copy where the dtypes match; an fp8 e5m2
-// cache gets simd::store's rounding, which is torch's .to(torch.float8_e5m2); an int8 cache codes and a scale a
-// row, as cache_dtype.quantize_rows (tests/runner/test_kv_cache_dtype.py compares the bytes of both). A row
-// copy each: index_copy_ costs more per call.
+// Each row of src into its slot of the cache, in the cache's form: a copy where the dtypes match; a bf16 cache
+// under fp32 or fp16 compute (`--kv-cache-dtype bfloat16`) and an fp8 e5m2 one get simd::store's rounding,
+// which is torch's .to(); an int8 cache codes and a scale a row, as cache_dtype.quantize_rows
+// (tests/runner/test_kv_cache_dtype.py compares the bytes of both). A row copy each: index_copy_ costs more per
+// call.
 namespace {
 
-template <typename Source>
-void store_rows_e5m2(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+template <typename Source, typename Target>
+void store_rows_rounded(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   const int64_t rows = src.size(0), n = src.size(1) * src.size(2), stride = src.stride(0);
   const auto* from = static_cast<const Source*>(src.data_ptr());
-  auto* to = static_cast<at::Float8_e5m2*>(cache.data_ptr());
+  auto* to = static_cast<Target*>(cache.data_ptr());
   for (int64_t r = 0; r < rows; ++r) {
     const Source* row = from + r * stride;
-    at::Float8_e5m2* slot = to + slots[r] * n;
+    Target* slot = to + slots[r] * n;
     int64_t i = 0;
     for (; i + simd::kWidth <= n; i += simd::kWidth) simd::store(slot + i, simd::load(row + i));
-    for (; i < n; ++i) slot[i] = static_cast<at::Float8_e5m2>(to_float(row[i]));
+    for (; i < n; ++i) slot[i] = static_cast<Target>(to_float(row[i]));
   }
 }
 
@@ -263,11 +264,12 @@ void store_rows_int8(const at::Tensor& src, at::Tensor& cache, const int64_t* sl
   }
 }
 
-// An 8-bit cache's rows from fp32, bf16 or fp16 ones.
+// A narrower cache's rows from fp32, bf16 or fp16 ones.
 template <typename Source>
-void store_rows_8bit(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+void store_rows_narrowed(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   if (cache.scalar_type() == at::kChar) store_rows_int8<Source>(src, cache, slots);
-  else store_rows_e5m2<Source>(src, cache, slots);
+  else if (cache.scalar_type() == at::kBFloat16) store_rows_rounded<Source, at::BFloat16>(src, cache, slots);
+  else store_rows_rounded<Source, at::Float8_e5m2>(src, cache, slots);
 }
 
 }  // namespace
@@ -288,10 +290,11 @@ void store_cache_rows(at::Tensor src, at::Tensor cache, at::Tensor slots) {
       std::memcpy(to + slot[r] * row_bytes, from + r * src.stride(0) * src.element_size(), row_bytes);
     return;
   }
-  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e5m2 || cache.scalar_type() == at::kChar,
-              "a cache of the rows' dtype, fp8 e5m2 or int8");
-  if (src.scalar_type() == at::kFloat) store_rows_8bit<float>(src, cache, slot);
-  else if (src.scalar_type() == at::kBFloat16) store_rows_8bit<at::BFloat16>(src, cache, slot);
-  else if (src.scalar_type() == at::kHalf) store_rows_8bit<at::Half>(src, cache, slot);
+  const auto cache_type = cache.scalar_type();
+  TORCH_CHECK(cache_type == at::kBFloat16 || cache_type == at::kFloat8_e5m2 || cache_type == at::kChar,
+              "a cache of the rows' dtype, bf16, fp8 e5m2 or int8");
+  if (src.scalar_type() == at::kFloat) store_rows_narrowed<float>(src, cache, slot);
+  else if (src.scalar_type() == at::kBFloat16) store_rows_narrowed<at::BFloat16>(src, cache, slot);
+  else if (src.scalar_type() == at::kHalf) store_rows_narrowed<at::Half>(src, cache, slot);
   else TORCH_CHECK(false, "rows of fp32, bf16 or fp16");
 }
