@@ -28,8 +28,13 @@ import torch
 def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """CacheConfig.kv_cache_dtype's tensor dtype: "auto" keeps the compute dtype; "fp8" is e5m2, as vLLM's CPU
     backend takes it."""
-    named = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2}
-    return {**named, "int8": torch.int8}.get(name, compute_dtype)
+    named = {
+        "bfloat16": torch.bfloat16,
+        "fp8": torch.float8_e5m2,
+        "fp8_e5m2": torch.float8_e5m2,
+        "int8": torch.int8,
+    }
+    return named.get(name, compute_dtype)
 
 
 def check_cache_dtype_runs(name: str, compute_dtype: torch.dtype, backend: str, is_latent: bool) -> None:
