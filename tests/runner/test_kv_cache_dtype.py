@@ -122,8 +122,8 @@ def _caches(kind: str, dtype: torch.dtype, shape: tuple[int, ...]):
     """(k, v) narrower caches of `kind` and the same values widened: to q's dtype (bf16 and fp8, exact), or to
     fp32 (int8 rows, code * scale: the kernels' own products, which q's dtype need not hold)."""
     k, v = torch.randn(shape) * 2, torch.randn(shape)
-    if kind in ("bfloat16", "fp8_e5m2"):
-        narrow = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}[kind]
+    narrow = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}.get(kind)
+    if narrow is not None:
         k, v = k.to(narrow), v.to(narrow)
         return k, v, k.to(dtype), v.to(dtype)
     k, v = int8_cache_of(k), int8_cache_of(v)
@@ -142,7 +142,7 @@ def test_attention_reads_a_narrower_cache_as_its_widened_values(kernels, head_di
     torch.manual_seed(head_dim)
     num_heads, num_kv_heads, block_size = 6, 2, 16
     num_seqs = 8 * torch.get_num_threads() + 3
-    cache_8bit, values_8bit, k_wide, v_wide = _caches(
+    k_narrow, v_narrow, k_wide, v_wide = _caches(
         kind, dtype, (num_seqs * 6, block_size, num_kv_heads, head_dim)
     )
     tables = torch.randperm(num_seqs * 6).view(num_seqs, 6)
@@ -156,7 +156,7 @@ def test_attention_reads_a_narrower_cache_as_its_widened_values(kernels, head_di
     def decode(k_cache, v_cache):
         return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, scale, window, sinks)
 
-    assert torch.equal(decode(cache_8bit, values_8bit), decode(k_wide, v_wide))
+    assert torch.equal(decode(k_narrow, v_narrow), decode(k_wide, v_wide))
 
     query_lens = torch.minimum(lengths, torch.tensor(20))
     query_starts = query_lens.cumsum(0) - query_lens
@@ -169,7 +169,7 @@ def test_attention_reads_a_narrower_cache_as_its_widened_values(kernels, head_di
         )
         return out
 
-    assert torch.equal(prefill(cache_8bit, values_8bit), prefill(k_wide, v_wide))
+    assert torch.equal(prefill(k_narrow, v_narrow), prefill(k_wide, v_wide))
 
 
 @pytest.mark.parametrize("kind", ["fp8_e5m2", "int8", "bfloat16"])
@@ -178,12 +178,12 @@ def test_latent_attention_reads_a_narrower_cache(kernels, kind):
     576) over one narrower tensor."""
     torch.manual_seed(5)
     dtype = torch.bfloat16 if kind == "fp8_e5m2" else torch.float32
-    latent_8bit, _, wide, _ = _caches(kind, dtype, (24, 16, 1, 576))
+    latent_narrow, _, wide, _ = _caches(kind, dtype, (24, 16, 1, 576))
     tables = torch.randperm(24).view(4, 6)
     lengths = torch.tensor([1, 17, 50, 96])
     q = torch.randn(4, 8, 576).to(dtype)
     got = kernels.paged_decode_attention(
-        q, latent_8bit, latent_8bit, tables, lengths, 0.05, 0, torch.empty(0), 512
+        q, latent_narrow, latent_narrow, tables, lengths, 0.05, 0, torch.empty(0), 512
     )
     want = kernels.paged_decode_attention(q, wide, wide, tables, lengths, 0.05, 0, torch.empty(0), 512)
     assert torch.equal(got, want)
