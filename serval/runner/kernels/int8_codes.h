@@ -1,5 +1,5 @@
-// What quantized_int8.cpp's products (both ISAs) take from a packed 4-bit block beside its nibbles: MXFP4's
-// codes as an int8 table and each block's d and m.
+// What quantized_int8.cpp's products (both ISAs) take from a packed block beside its nibbles: MXFP4's
+// codes as an int8 table, which codes go in signed (MXFP4's on AVX2, Q6_K's) and each block's d and m.
 //
 // MXFP4's codes are signed table values v (-12..12, quantized.h), which the unsigned operand of VPMADDUBSW and
 // VPDPBUSD cannot take as they are. With VPDPBUSD's int32 sums (AVX-512) the table is shifted to unsigned
@@ -7,6 +7,8 @@
 // (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
 // magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
 #pragma once
+#include <algorithm>
+
 #include "quantized.h"
 
 #if defined(__AVX2__)
@@ -22,13 +24,21 @@ inline constexpr bool kTableShifted = false;
 alignas(16) inline constexpr int8_t kInt8Table[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #endif
 
-// block_scales, with MXFP4's m the one its codes here need: -12 d for the shifted table, else 0 (block_scales
-// gives MXFP4 none). -12 d is exact: 3 times a power of two.
+// Whether the products give a code's magnitude to VPMADDUBSW's unsigned operand and its sign to x (VPSIGNB):
+// MXFP4's signed table values where the table is not shifted, and Q6_K's codes less their bias (-32 .. 31:
+// with int16 sums a scale block of 16 weights makes 8 products a lane, 8 x 32 x 127 < 32767).
+template <Layout L>
+inline constexpr bool kSignedOperand = (Traits<L>::kCodeTable && !kTableShifted) || L == Layout::kQ6K;
+
+// block_scales, with m the one the codes here need: MXFP4's -12 d for the shifted table, else 0 (block_scales
+// gives MXFP4 none; Q6_K's bias is taken from its codes). -12 d is exact: 3 times a power of two.
 template <Layout L>
 inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
   block_scales<L>(w, G, s, d, m);
   if constexpr (Traits<L>::kCodeTable)
     for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;
+  else if constexpr (!Traits<L>::kOffsets)
+    std::fill_n(m, kGroup, 0.0f);
 }
 
 // Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.
@@ -37,14 +47,6 @@ inline __m256i int8_codes(__m256i nibbles) {
   if constexpr (!Traits<L>::kCodeTable) return nibbles;
   const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table));
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
-}
-
-// VPMADDUBSW of codes and x: for signed codes (MXFP4 on AVX2) their magnitudes times x with their signs.
-template <Layout L>
-inline __m256i pair_products(__m256i codes, __m256i x) {
-  if constexpr (Traits<L>::kCodeTable && !kTableShifted)
-    return _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes));
-  return _mm256_maddubs_epi16(codes, x);
 }
 
 }  // namespace serval_kernels::quantized

@@ -82,27 +82,35 @@ Int8Split split_for_int8(const In* x, int64_t M, int64_t K) {
 }
 
 // Weight k of group G's 16 rows, as the file holds it: w = d q + m (byte layout in quantized.h: in the 4-bit
-// layouts weight 8c + 4n + 2h + e of a block is nibble n of byte (h, r, e) of chunk c; in Q8_0's, weight
-// 4c + 2h + e is byte (h, r, e) of chunk c, and w = d q).
+// and 6-bit layouts weight 8c + 4n + 2h + e of a scale block is nibble n of byte (h, r, e) of chunk c, with
+// Q6_K's high bits in its last chunk; in Q8_0's, weight 4c + 2h + e is byte (h, r, e) of chunk c, and w = d q).
 template <Layout L>
 inline void column_weights(const PackedMatrix& w, int64_t G, int64_t k, float* out) {
   alignas(64) float d[kGroup], m[kGroup];
-  const int64_t s = k / kBlock, i = k % kBlock;
-  block_scales<L>(w, G, s, d, m);
   if constexpr (L == Layout::kQ8) {
+    const int64_t s = k / kBlock, i = k % kBlock;
+    block_scales<L>(w, G, s, d, m);
     const int c = static_cast<int>(i / 4), h = static_cast<int>(i % 4 / 2), e = static_cast<int>(i % 2);
     const auto* bytes = reinterpret_cast<const int8_t*>(w.codes + G * w.group_bytes +
                                                         s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes) + h * 32 + e;
     for (int r = 0; r < kGroup; ++r) out[r] = d[r] * static_cast<float>(bytes[2 * r]);
     return;
   }
-  if constexpr (Traits<L>::kCodeTable) std::fill_n(m, kGroup, 0.0f);  // w = v[q] d
-  const int c = static_cast<int>(i / 8), n = static_cast<int>(i % 8 / 4), h = static_cast<int>(i % 4 / 2),
-            e = static_cast<int>(i % 2);
-  const uint8_t* bytes = w.codes + G * w.group_bytes + s * Traits<L>::kChunks * kChunkBytes + c * kChunkBytes + h * 32 + e;
+  using T = Traits<L>;
+  // Q6_K's scale blocks are 16 weights, each ending in its high bits (quantized.h).
+  const int64_t b = k / T::kScaleWeights, j = k % T::kScaleWeights;
+  block_scales<L>(w, G, b, d, m);
+  if constexpr (!T::kOffsets) std::fill_n(m, kGroup, 0.0f);  // w = v[q] d (MXFP4), d (q - 32) (Q6_K)
+  const int c = static_cast<int>(j / 8), n = static_cast<int>(j % 8 / 4), h = static_cast<int>(j % 4 / 2),
+            e = static_cast<int>(j % 2);
+  const uint8_t* block = w.codes + G * w.group_bytes + b * T::kChunks * kChunkBytes;
+  const uint8_t* bytes = block + c * kChunkBytes + h * 32 + e;
+  const uint8_t* high = block + T::kNibbleChunks * kChunkBytes + h * 32 + e;
   for (int r = 0; r < kGroup; ++r) {
     const int nibble = (bytes[2 * r] >> (4 * n)) & 0x0F;
-    out[r] = d[r] * static_cast<float>(Traits<L>::kCodeTable ? kMxfp4Values[nibble] : nibble) + m[r];
+    const int top = T::kHighBits ? (high[2 * r] >> (T::kHighBits * (2 * c + n))) & ((1 << T::kHighBits) - 1) : 0;
+    const int code = T::kCodeTable ? kMxfp4Values[nibble] : (nibble | (top << 4)) - T::kCodeBias;
+    out[r] = d[r] * static_cast<float>(code) + m[r];
   }
 }
 

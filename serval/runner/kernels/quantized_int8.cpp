@@ -172,7 +172,8 @@ bool has_int8_rows(Layout layout) {
   return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K || layout == Layout::kMXFP4 ||
          layout == Layout::kQ8;
 #elif defined(__AVX2__)
-  return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K || layout == Layout::kMXFP4;
+  return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K || layout == Layout::kMXFP4 ||
+         layout == Layout::kQ6K;
 #else
   (void)layout;
   return false;
@@ -191,6 +192,8 @@ void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layo
     case Layout::kMXFP4: matmul_impl<Layout::kMXFP4>(x, M, w, num_groups, out, out_stride, to); break;
 #if defined(__AVX512VNNI__)
     case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride, to); break;
+#else
+    case Layout::kQ6K: matmul_impl<Layout::kQ6K>(x, M, w, num_groups, out, out_stride, to); break;
 #endif
     default: break;
   }
