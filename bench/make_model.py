@@ -60,6 +60,9 @@ class WeightType:
     experts_only: bool = False  # the type is about expert matrices: a shape without experts is refused
     # attn_v and ffn_down(_exps) of llama.cpp's use_more_bits layers (its _M mixes), if not None
     more_bits: GGMLQuantizationType | None = None
+    # A tied token_embd.weight is the head, and takes the output type, as llama-quantize gives it (its _M mixes
+    # here; the plain types keep the embedding's, so that their files stay the ones earlier figures measured).
+    tied_embedding_as_output: bool = False
 
 
 # NOTE: llama-quantize gives a Q4_0 model a Q6_K output.weight, but gguf's Python quantizer cannot write Q6_K
@@ -75,7 +78,9 @@ WEIGHT_TYPES = {
     "MXFP4": WeightType(Q.Q8_0, Q.MXFP4, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, experts_only=True),
     # llama-quantize's Q4_K_M mix, written as random blocks (bench/gguf_blocks.py): Q4_K, with a Q6_K head
     # and Q6_K attn_v and ffn_down(_exps) in the first and last eighth of the layers and every third between.
-    "Q4_K_M": WeightType(Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K),
+    "Q4_K_M": WeightType(
+        Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K, tied_embedding_as_output=True
+    ),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 # llama-quantize's type for a matrix whose rows a k-quant's 256-value super-block does not divide
@@ -127,7 +132,8 @@ def plan_tensors(shape: ModelShape, vocab_size: int, weight_type: WeightType) ->
         return TensorPlan(name, shape, qtype, role)
 
     dims["vocab"] = vocab_size
-    plans = [plan("token_embd.weight", ("vocab", "hidden"), EMBEDDING)]
+    tied_head = shape.tie_word_embeddings and weight_type.tied_embedding_as_output
+    plans = [plan("token_embd.weight", ("vocab", "hidden"), OUTPUT if tied_head else EMBEDDING)]
     for layer in range(shape.num_layers):
         more_bits = use_more_bits(layer, shape.num_layers)
         plans.extend(

@@ -33,7 +33,7 @@ inline constexpr bool kSignedOperand = (Traits<L>::kCodeTable && !kTableShifted)
 // block_scales, with m the one the codes here need: MXFP4's -12 d for the shifted table, else 0 (block_scales
 // gives MXFP4 none; Q6_K's bias is taken from its codes). -12 d is exact: 3 times a power of two.
 template <Layout L>
-inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
+[[gnu::always_inline]] inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
   block_scales<L>(w, G, s, d, m);
   if constexpr (Traits<L>::kCodeTable)
     for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;

@@ -113,22 +113,13 @@ inline void add_chunk(ByteDots* dots, const ChunkOperands& operands, const int8_
   }
 }
 
-// What scales x block s's integer sums, in the a and b order: d and m, and Q6_K's sub-block scales. Q6_K's
-// d = D sc changes every 16 weights: each scale block's sums are weighted by its int8 sc as they widen and the
-// two added in int32 (|sc dot| <= 128 x 16 x 32 x 127 < 2^23 each: exact, and exactly converted), then scaled
-// by the super-block's D once.
-template <Layout L>
+// What scales x block s's integer sums, in the a and b order: d and m. Q6_K's d = D sc changes every 16
+// weights: each scale block's sums are weighted by its int8 sc as they widen (SubBlockWeights) and the two added
+// in int32 (|sc dot| <= 128 x 16 x 32 x 127 < 2^23 each: exact, and exactly converted), then scaled by the
+// super-block's D once, its d here.
 struct XBlockScales {
   __m256 d[2], m[2];
-  __m256i weight[ScaleBlocks<L>::kPerXBlock][2];  // Q6_K's only
 };
-
-// Scale block b's sums of x block s (half h) in int32: for Q6_K weighted by its sc.
-template <Layout L>
-inline __m256i widen(const ByteDots& dots, const XBlockScales<L>& scales, int b, int h) {
-  if constexpr (L == Layout::kQ6K) return dots.int32(scales.weight[b][h]);
-  return dots.int32();
-}
 
 // A row's 16 values (row order) in the a and b order.
 inline void ab_order(const float* v, __m256* ab) {
@@ -136,24 +127,12 @@ inline void ab_order(const float* v, __m256* ab) {
 }
 
 template <Layout L>
-[[gnu::always_inline]] inline XBlockScales<L> x_block_scales(const PackedMatrix& w, int64_t G, int64_t s) {
-  XBlockScales<L> scales;
+[[gnu::always_inline]] inline XBlockScales x_block_scales(const PackedMatrix& w, int64_t G, int64_t s) {
+  XBlockScales scales;
   alignas(32) float d[kGroup], m[kGroup];
   if constexpr (L == Layout::kQ6K) {
     const at::Half* super = w.super + (G * (w.K / kSuperWeights) + s * kBlock / kSuperWeights) * 2 * kGroup;
     for (int v = 0; v < kGroup; v += simd::kWidth) simd::store(d + v, simd::load(super + v));
-    for (int b = 0; b < ScaleBlocks<L>::kPerXBlock; ++b) {
-      const auto* sc = static_cast<const int8_t*>(w.scales) + (G * (w.K / Traits<L>::kScaleWeights) + 2 * s + b) * kGroup;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-#if defined(__AVXVNNI__)
-      const __m256i rows0 = _mm256_cvtepi8_epi32(bytes), rows8 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
-      scales.weight[b][0] = _mm256_permute2x128_si256(rows0, rows8, 0x20);  // rows 0-3, 8-11
-      scales.weight[b][1] = _mm256_permute2x128_si256(rows0, rows8, 0x31);  // rows 4-7, 12-15
-#else
-      const __m256i rows = _mm256_cvtepi8_epi16(bytes);  // rows 0-7, then 8-15: sc twice a dword below
-      scales.weight[b][0] = _mm256_unpacklo_epi16(rows, rows), scales.weight[b][1] = _mm256_unpackhi_epi16(rows, rows);
-#endif
-    }
     std::fill_n(m, kGroup, 0.0f);
   } else {
     int8_block_scales<L>(w, G, s, d, m);
@@ -163,11 +142,43 @@ template <Layout L>
   return scales;
 }
 
+// Q6_K's sc of scale block b (of the matrix's K / 16), as ByteDots::int32 weighs a half's sums by it.
+[[gnu::always_inline]] inline void sub_block_weights(const PackedMatrix& w, int64_t G, int64_t b, __m256i weight[2]) {
+  const auto* sc = static_cast<const int8_t*>(w.scales) + (G * (w.K / Traits<Layout::kQ6K>::kScaleWeights) + b) * kGroup;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+#if defined(__AVXVNNI__)
+  const __m256i rows0 = _mm256_cvtepi8_epi32(bytes), rows8 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  weight[0] = _mm256_permute2x128_si256(rows0, rows8, 0x20);  // rows 0-3, 8-11
+  weight[1] = _mm256_permute2x128_si256(rows0, rows8, 0x31);  // rows 4-7, 12-15
+#else
+  const __m256i rows = _mm256_cvtepi8_epi16(bytes);  // rows 0-7, then 8-15: sc twice a dword
+  weight[0] = _mm256_unpacklo_epi16(rows, rows), weight[1] = _mm256_unpackhi_epi16(rows, rows);
+#endif
+}
+
+// dot (a and b, int32) of x block s = scale block b's sums widened, added to the earlier scale blocks' (Q6_K).
+template <Layout L, int R>
+[[gnu::always_inline]] inline void widen_into(__m256i dot[R][2], const ByteDots dots[R][2], const PackedMatrix& w,
+                                              int64_t G, int64_t s, int b) {
+  if constexpr (L == Layout::kQ6K) {
+    __m256i weight[2];
+    sub_block_weights(w, G, s * ScaleBlocks<L>::kPerXBlock + b, weight);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i widened = dots[r][h].int32(weight[h]);
+        dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
+      }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) dot[r][h] = dots[r][h].int32();
+  }
+}
+
 // y (a and b, rows of 16 in the order above) = m sum(x_b) + (dot d dx + y), without the m term where the layout
 // has no offsets here (MXFP4 on AVX2, Q6_K): the same operations in the same order on every path, so that a
 // row's result is bitwise the same at any row count.
 template <Layout L>
-inline void scale_into(__m256 y[2], const __m256i dot[2], const XBlockScales<L>& scales, float dx_scalar,
+inline void scale_into(__m256 y[2], const __m256i dot[2], const XBlockScales& scales, float dx_scalar,
                        float sum_x_scalar) {
   const __m256 dx = _mm256_set1_ps(dx_scalar), sum_x = _mm256_set1_ps(sum_x_scalar);
   for (int h = 0; h < 2; ++h) {
@@ -198,7 +209,6 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
-    const XBlockScales<L> scales = x_block_scales<L>(w, G, s);
     __m256i dot[R][2];
     for (int b = 0; b < S::kPerXBlock; ++b) {
       const uint8_t* block = codes + (s * S::kPerXBlock + b) * S::kBytes;
@@ -211,12 +221,9 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
         const int8_t* x = xq.codes.data() + s * kBlock + 8 * (b * S::kCodeChunks + c);
         for (int r = 0; r < R; ++r) add_chunk<L>(dots[r], operands, x + (first_row + r) * K);
       }
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i widened = widen<L>(dots[r][h], scales, b, h);
-          dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
-        }
+      widen_into<L, R>(dot, dots, w, G, s, b);
     }
+    const XBlockScales scales = x_block_scales<L>(w, G, s);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (first_row + r) * num_blocks + s;
       scale_into<L>(acc[r], dot[r], scales, xq.scales[i], xq.sums[i]);
@@ -245,8 +252,8 @@ inline constexpr int kBlockPassRows = L == Layout::kQ6K ? 2 : 4;
 // acc (rows of 16 in the a and b order) += x block s's products with x's rows first_row .. first_row + rows, R a
 // pass: the block's 4 chunks' operands.
 template <Layout L, int R>
-void block_passes(const ChunkOperands* operands, const XBlockScales<L>& scales, const Int8Rows& xq,
-                  int64_t first_row, int64_t rows, int64_t K, int64_t s, float* acc) {
+void block_passes(const ChunkOperands* operands, const __m256i (*weights)[2], const XBlockScales& scales,
+                  const Int8Rows& xq, int64_t first_row, int64_t rows, int64_t K, int64_t s, float* acc) {
   using S = ScaleBlocks<L>;
   const int64_t num_blocks = K / kBlock;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
@@ -262,7 +269,7 @@ void block_passes(const ChunkOperands* operands, const XBlockScales<L>& scales, 
       }
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) {
-          const __m256i widened = widen<L>(dots[r][h], scales, b, h);
+          const __m256i widened = L == Layout::kQ6K ? dots[r][h].int32(weights[b][h]) : dots[r][h].int32();
           dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
         }
     }
@@ -292,16 +299,19 @@ void group_block_passes(const PackedMatrix& w, int64_t G, const Int8Rows& xq, in
   alignas(32) float acc[kRowTile * kGroup];
   std::fill_n(acc, rows * kGroup, 0.0f);
   ChunkOperands operands[4];
+  __m256i weights[S::kPerXBlock][2];  // Q6_K's
   for (int64_t s = 0; s < num_blocks; ++s) {
     for (int b = 0; b < S::kPerXBlock; ++b) {
       const uint8_t* block = w.codes + G * w.group_bytes + (s * S::kPerXBlock + b) * S::kBytes;
       for (int c = 0; c < S::kCodeChunks; ++c) dword_operands<L>(block, c, &operands[b * S::kCodeChunks + c]);
+      if constexpr (L == Layout::kQ6K) sub_block_weights(w, G, s * S::kPerXBlock + b, weights[b]);
     }
-    const XBlockScales<L> scales = x_block_scales<L>(w, G, s);
-    block_passes<L, kBlockPassRows<L>>(operands, scales, xq, first_row, whole, K, s, acc);
+    const XBlockScales scales = x_block_scales<L>(w, G, s);
+    block_passes<L, kBlockPassRows<L>>(operands, weights, scales, xq, first_row, whole, K, s, acc);
     if (whole < rows) {
       with_row_count<kBlockPassRows<L> - 1>(rows - whole, [&](auto R) {
-        block_passes<L, R.value>(operands, scales, xq, first_row + whole, rows - whole, K, s, acc + whole * kGroup);
+        block_passes<L, R.value>(operands, weights, scales, xq, first_row + whole, rows - whole, K, s,
+                                 acc + whole * kGroup);
       });
     }
   }
