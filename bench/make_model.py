@@ -79,7 +79,13 @@ WEIGHT_TYPES = {
     # llama-quantize's Q4_K_M mix, written as random blocks (bench/gguf_blocks.py): Q4_K, with a Q6_K head
     # and Q6_K attn_v and ffn_down(_exps) in the first and last eighth of the layers and every third between.
     "Q4_K_M": WeightType(
-        Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=Q.Q6_K, tied_embedding_as_output=True
+        Q.Q4_K,
+        Q.Q4_K,
+        Q.Q4_K,
+        Q.Q6_K,
+        LlamaFileType.MOSTLY_Q4_K_M,
+        more_bits=Q.Q6_K,
+        tied_embedding_as_output=True,
     ),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")

@@ -315,7 +315,12 @@ def test_a_fused_swiglu_is_silu_mul_of_the_gate_up_result(kernels, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],
+    [
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q6_K,
+    ],
     ids=lambda t: t.name,
 )
 @pytest.mark.parametrize("rows", [4, 32])

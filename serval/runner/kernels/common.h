@@ -285,8 +285,8 @@ at::Tensor quantized_swiglu(at::Tensor x, at::Tensor codes, at::Tensor scales, a
 // residual += quantized_linear(...), the same bits, without the result where the int8 path adds it group by group.
 void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, at::Tensor scales,
                            at::Tensor offsets, at::Tensor super_scales, int64_t N, bool int8_batch_activations);
-// From how many rows of x int8_batch_activations rounds x to int8 over 4-bit codes (quantized_int8.cpp says
-// why per build); 0 where this build has no int8 path.
+// From how many rows of x int8_batch_activations rounds x to int8 where the build has the layout (has_int8_rows;
+// quantized_int8.cpp says why per build); 0 where this build has no int8 path.
 int64_t int8_rows_from();
 // x @ w.T for dense w (N, K) in fp32, bf16 or f16, each output summed over K in one order whatever x's row
 // count (dense_linear.cpp); the result in x's dtype. Also quantized_linear's 16-bit layout (GGUF F16/BF16).

@@ -24,7 +24,7 @@
 // x is quantized per block of 32 to int16 with scale max|x| / 32767: its rounding (2^-15 of the block's
 // largest value) is far below bf16's (2^-8 of each value), so these products are closer to fp32 than the
 // bf16 path's. (int8 activations, as llama.cpp uses, cost half the instructions; quantized_int8.cpp serves
-// every row count with them by default where it has the layout (4-bit codes), outliers kept exact; these
+// every row count with them by default where it has the layout (has_int8_rows), outliers kept exact; these
 // products serve the other layouts and `--batch-activations float32`.) The offset term uses the sum of the block's
 // rounded x, so that the rounding meets the file's weights, not d q alone (quantized.h).
 #include "quantized.h"
