@@ -7,8 +7,6 @@
 // (AVX2) would overflow with codes up to 24 (16 x 24 x 127 > 32767), so there a code gives VPMADDUBSW its
 // magnitude and x its sign (VPSIGNB), as ggml does, and m is 0. Either way the products are exactly v x.
 #pragma once
-#include <algorithm>
-
 #include "quantized.h"
 
 #if defined(__AVX2__)
@@ -30,15 +28,13 @@ alignas(16) inline constexpr int8_t kInt8Table[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0
 template <Layout L>
 inline constexpr bool kSignedOperand = (Traits<L>::kCodeTable && !kTableShifted) || L == Layout::kQ6K;
 
-// block_scales, with m the one the codes here need: MXFP4's -12 d for the shifted table, else 0 (block_scales
-// gives MXFP4 none; Q6_K's bias is taken from its codes). -12 d is exact: 3 times a power of two.
+// block_scales, with MXFP4's m the one its codes here need: -12 d for the shifted table, else 0 (block_scales
+// gives MXFP4 none). -12 d is exact: 3 times a power of two.
 template <Layout L>
 [[gnu::always_inline]] inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
   block_scales<L>(w, G, s, d, m);
   if constexpr (Traits<L>::kCodeTable)
     for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;
-  else if constexpr (!Traits<L>::kOffsets)
-    std::fill_n(m, kGroup, 0.0f);
 }
 
 // Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.

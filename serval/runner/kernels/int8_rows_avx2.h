@@ -4,8 +4,8 @@
 // VPMADDUBSW makes 32 products an instruction, summed in int16 (VPDPBUSD's int32 with AVX-VNNI). The
 // interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the other ("a" and "b"); d and m are
 // read in the same order, and results leave it at the end (store_in_order).
-// Q6_K's scale blocks are 16 weights (2 nibble chunks and their high bits), so x's block of 32 spans two: each
-// one's sums widen and are scaled on their own (ScaleBlocks), in the same order on every path.
+// Q6_K's scale blocks are 16 weights (2 nibble chunks and their high bits), so x's block of 32 spans two
+// (ScaleBlocks): each one's sums widen weighted by its sub-block scale, and the two are scaled once.
 // Decode steps' few rows stream each group's codes in passes whose sums stay in registers (group_few_rows);
 // many rows share each block's codes unpacked once (group_block_passes). Both compute a row's numbers with the
 // same operations in the same order, so a row's result is bitwise the same at any row count (batch invariance).
@@ -85,7 +85,7 @@ struct ByteDots {
     return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
   }
-  // The sums in int32, each row's times its Q6_K sub-block scale (XBlockScales): int32, or int16 twice a dword.
+  // The sums in int32, each row's times its Q6_K sub-block scale (sub_block_weights).
   __m256i int32(__m256i weight) const {
 #if defined(__AVXVNNI__)
     return _mm256_mullo_epi32(sum, weight);
@@ -114,9 +114,9 @@ inline void add_chunk(ByteDots* dots, const ChunkOperands& operands, const int8_
 }
 
 // What scales x block s's integer sums, in the a and b order: d and m. Q6_K's d = D sc changes every 16
-// weights: each scale block's sums are weighted by its int8 sc as they widen (SubBlockWeights) and the two added
-// in int32 (|sc dot| <= 128 x 16 x 32 x 127 < 2^23 each: exact, and exactly converted), then scaled by the
-// super-block's D once, its d here.
+// weights: each scale block's sums are weighted by its int8 sc as they widen (sub_block_weights) and the two
+// added in int32 (|sc dot| <= 128 x 16 x 32 x 127 < 2^23 each: exact, and exactly converted), then scaled by
+// the super-block's D once, its d here. m only where the layout has offsets (scale_into).
 struct XBlockScales {
   __m256 d[2], m[2];
 };
@@ -133,12 +133,11 @@ template <Layout L>
   if constexpr (L == Layout::kQ6K) {
     const at::Half* super = w.super + (G * (w.K / kSuperWeights) + s * kBlock / kSuperWeights) * 2 * kGroup;
     for (int v = 0; v < kGroup; v += simd::kWidth) simd::store(d + v, simd::load(super + v));
-    std::fill_n(m, kGroup, 0.0f);
   } else {
     int8_block_scales<L>(w, G, s, d, m);
   }
   ab_order(d, scales.d);
-  ab_order(m, scales.m);
+  if constexpr (Traits<L>::kOffsets) ab_order(m, scales.m);
   return scales;
 }
 
@@ -156,22 +155,20 @@ template <Layout L>
 #endif
 }
 
-// dot (a and b, int32) of x block s = scale block b's sums widened, added to the earlier scale blocks' (Q6_K).
+// dot (a and b, int32) of an x block = its scale block b's sums widened, added to the earlier scale blocks' (Q6_K,
+// weighted by `weight`, its sc; the other layouts' one scale block takes no weight).
 template <Layout L, int R>
-[[gnu::always_inline]] inline void widen_into(__m256i dot[R][2], const ByteDots dots[R][2], const PackedMatrix& w,
-                                              int64_t G, int64_t s, int b) {
-  if constexpr (L == Layout::kQ6K) {
-    __m256i weight[2];
-    sub_block_weights(w, G, s * ScaleBlocks<L>::kPerXBlock + b, weight);
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) {
+[[gnu::always_inline]] inline void widen_into(__m256i dot[R][2], const ByteDots dots[R][2], const __m256i weight[2],
+                                              int b) {
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (L == Layout::kQ6K) {
         const __m256i widened = dots[r][h].int32(weight[h]);
         dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
+      } else {
+        dot[r][h] = dots[r][h].int32();
       }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) dot[r][h] = dots[r][h].int32();
-  }
+    }
 }
 
 // y (a and b, rows of 16 in the order above) = m sum(x_b) + (dot d dx + y), without the m term where the layout
@@ -221,7 +218,9 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
         const int8_t* x = xq.codes.data() + s * kBlock + 8 * (b * S::kCodeChunks + c);
         for (int r = 0; r < R; ++r) add_chunk<L>(dots[r], operands, x + (first_row + r) * K);
       }
-      widen_into<L, R>(dot, dots, w, G, s, b);
+      __m256i weight[2];
+      if constexpr (L == Layout::kQ6K) sub_block_weights(w, G, s * S::kPerXBlock + b, weight);
+      widen_into<L, R>(dot, dots, weight, b);
     }
     const XBlockScales scales = x_block_scales<L>(w, G, s);
     for (int r = 0; r < R; ++r) {
@@ -267,11 +266,7 @@ void block_passes(const ChunkOperands* operands, const __m256i (*weights)[2], co
         const int8_t* x = xq.codes.data() + (first_row + r0) * K + s * kBlock + 8 * c;
         for (int r = 0; r < R; ++r) add_chunk<L>(dots[r], operands[c], x + r * K);
       }
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i widened = L == Layout::kQ6K ? dots[r][h].int32(weights[b][h]) : dots[r][h].int32();
-          dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
-        }
+      widen_into<L, R>(dot, dots, weights[b], b);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (first_row + r0 + r) * num_blocks + s;
