@@ -207,10 +207,10 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
     assert ((got.double() - exact).abs() / (exact.abs().max() + 1)).max().item() < 5e-3
     if rows >= kernels.int8_rows_from:  # int8 x where the build has it (portable: 0, never)
         int8 = packed.matmul(quantized_matmul(kernels, int8_batch_activations=True), x)
-        # int8 x over 4-bit codes wherever AVX2 is, over Q8_0's int8 codes with AVX-512-VNNI, and over Q6_K's
-        # 6-bit codes on AVX2 without AVX-512.
+        # int8 x over 4-bit codes wherever AVX2 is, over Q8_0's int8 codes with AVX-512-VNNI, and over the
+        # 5-bit layouts' and Q6_K's codes on AVX2 without AVX-512.
         avx512 = kernels.variant.startswith("avx512")
-        int8_codes = packed.bits == 4 or (packed.bits == 8 and avx512) or (packed.bits == 6 and not avx512)
+        int8_codes = packed.bits == 4 or (packed.bits == 8 and avx512) or (packed.bits in (5, 6) and not avx512)
         if int8_codes and kernels.int8_rows_from:
             # x rounded to 1/127 of each block's largest value, the outlier channel (900) exact.
             expected = _reference(x, weight, _offsets(block), levels=127).float()
@@ -319,6 +319,9 @@ def test_a_fused_swiglu_is_silu_mul_of_the_gate_up_result(kernels, qtype):
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
         GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
     ],
     ids=lambda t: t.name,

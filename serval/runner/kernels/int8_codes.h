@@ -1,5 +1,6 @@
 // What quantized_int8.cpp's products (both ISAs) take from a packed block beside its nibbles: MXFP4's
-// codes as an int8 table, which codes go in signed (MXFP4's on AVX2, Q6_K's) and each block's d and m.
+// codes as an int8 table, which codes go in signed (MXFP4's on AVX2, Q6_K's), which 5-bit ones unsigned, and
+// each block's d and m.
 //
 // MXFP4's codes are signed table values v (-12..12, quantized.h), which the unsigned operand of VPMADDUBSW and
 // VPDPBUSD cannot take as they are. With VPDPBUSD's int32 sums (AVX-512) the table is shifted to unsigned
@@ -28,13 +29,28 @@ alignas(16) inline constexpr int8_t kInt8Table[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0
 template <Layout L>
 inline constexpr bool kSignedOperand = (Traits<L>::kCodeTable && !kTableShifted) || L == Layout::kQ6K;
 
-// block_scales, with MXFP4's m the one its codes here need: -12 d for the shifted table, else 0 (block_scales
-// gives MXFP4 none). -12 d is exact: 3 times a power of two.
+// Where the products take the 5-bit codes unsigned, 0..31 as the file holds them: Q5_0's too, its bias 16 then
+// being an offset m = -16 d (exact: a power of two), as Q4_0's 8 is. Signed with magnitudes (kSignedOperand)
+// they would cost a VPSIGNB per operand and row; unsigned, VPMADDUBSW's int16 sums hold 8 products a lane
+// (8 x 31 x 127 < 32767), so they widen twice an x block (ScaleBlocks' spans) where 4-bit codes widen once.
+template <Layout L>
+inline constexpr bool kUnbiased5Bit = L == Layout::kQ5Sym || L == Layout::kQ5 || L == Layout::kQ5K;
+
+// Whether the products' y takes the offset term m sum(x_b): the layouts with offsets, Q5_0's unbiased codes
+// (above) and MXFP4's shifted table.
+template <Layout L>
+inline constexpr bool kInt8Offsets =
+    Traits<L>::kOffsets || L == Layout::kQ5Sym || (Traits<L>::kCodeTable && kTableShifted);
+
+// block_scales, with the m its codes here need: MXFP4's -12 d for the shifted table, else 0 (block_scales
+// gives MXFP4 none; -12 d is exact: 3 times a power of two), and Q5_0's -16 d (kUnbiased5Bit).
 template <Layout L>
 [[gnu::always_inline]] inline void int8_block_scales(const PackedMatrix& w, int64_t G, int64_t s, float* d, float* m) {
   block_scales<L>(w, G, s, d, m);
   if constexpr (Traits<L>::kCodeTable)
     for (int r = 0; r < kGroup; ++r) m[r] = kTableShifted ? -12.0f * d[r] : 0.0f;
+  if constexpr (L == Layout::kQ5Sym)
+    for (int r = 0; r < kGroup; ++r) m[r] = -16.0f * d[r];
 }
 
 // Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.

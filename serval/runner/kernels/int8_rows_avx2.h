@@ -1,11 +1,12 @@
-// quantized_int8.cpp's products on AVX2 (with or without AVX-VNNI): packed 4-bit and Q6_K weights times rows
-// of x rounded to int8. Each row's 4 consecutive weights are made one dword (a chunk's two 32-byte halves, whose
+// quantized_int8.cpp's products on AVX2 (with or without AVX-VNNI): packed 4-, 5- and 6-bit weights times
+// rows of x rounded to int8. Each row's 4 consecutive weights are made one dword (a chunk's two 32-byte halves, whose
 // words are 2 weights of each of the 16 rows, interleaved), so that x is broadcast 4 bytes at a time:
 // VPMADDUBSW makes 32 products an instruction, summed in int16 (VPDPBUSD's int32 with AVX-VNNI). The
 // interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the other ("a" and "b"); d and m are
 // read in the same order, and results leave it at the end (store_in_order).
 // Q6_K's scale blocks are 16 weights (2 nibble chunks and their high bits), so x's block of 32 spans two
-// (ScaleBlocks): each one's sums widen weighted by its sub-block scale, and the two are scaled once.
+// (ScaleBlocks): each one's sums widen weighted by its sub-block scale, and the two are scaled once. The 5-bit
+// layouts' int16 sums widen twice a block too (kUnbiased5Bit), unweighted.
 // Decode steps' few rows stream each group's codes in passes whose sums stay in registers (group_few_rows);
 // many rows share each block's codes unpacked once (group_block_passes). Both compute a row's numbers with the
 // same operations in the same order, so a row's result is bitwise the same at any row count (batch invariance).
@@ -19,12 +20,19 @@ namespace serval_kernels::quantized::avx2 {
 
 using Int8Rows = QuantizedRows<int8_t>;
 
-// How x's blocks of 32 meet a layout's scale blocks: one scale block each (4-bit layouts) or two (Q6_K's 16).
+// How x's blocks of 32 meet a layout's scale blocks: one scale block each (4- and 5-bit layouts) or two (Q6_K's
+// 16); and in how many spans of chunks VPMADDUBSW's int16 sums add up before they widen to int32 (ByteDots):
+// one (4-bit codes: 16 products a lane) or two (Q6_K's scale blocks; the 5-bit codes' 8 products a lane).
 template <Layout L>
 struct ScaleBlocks {
   static constexpr int kPerXBlock = static_cast<int>(kBlock / Traits<L>::kScaleWeights);
   static constexpr int kCodeChunks = 4 / kPerXBlock;  // chunks of 8 weights a row in a scale block
   static constexpr int64_t kBytes = Traits<L>::kChunks * kChunkBytes;  // a scale block's, high bits included
+  static constexpr int kSpans = L == Layout::kQ6K || kUnbiased5Bit<L> ? 2 : 1;
+  static constexpr int kSpanChunks = 4 / kSpans;
+  // span b's scale block in the x block, and its first chunk there
+  static constexpr int scale_block(int b) { return b * kPerXBlock / kSpans; }
+  static constexpr int first_chunk(int b) { return b * kSpanChunks % kCodeChunks; }
 };
 
 // A chunk's operands (top of this file): VPMADDUBSW's unsigned ones (low nibbles a and b: weights 8c .. 8c + 3 of
@@ -44,12 +52,13 @@ template <Layout L>
   const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
   const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
   __m256i low0, low1, high0, high1;
-  if constexpr (Traits<L>::kHighBits > 0) {  // the codes less their bias (quantized.h)
+  if constexpr (Traits<L>::kHighBits > 0) {  // Q6_K's codes less their bias (quantized.h); 5-bit ones as they are
+    constexpr Layout kCodes = kUnbiased5Bit<L> ? Layout::kQ5 : L;  // Q5_1's codes: Q5_0's without the bias
     const uint8_t* bits = block + Traits<L>::kNibbleChunks * kChunkBytes;
     const __m256i bits0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
     const __m256i bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 32));
-    low0 = nibble_codes<L>(half0, bits0, c, 0), low1 = nibble_codes<L>(half1, bits1, c, 0);
-    high0 = nibble_codes<L>(half0, bits0, c, 1), high1 = nibble_codes<L>(half1, bits1, c, 1);
+    low0 = nibble_codes<kCodes>(half0, bits0, c, 0), low1 = nibble_codes<kCodes>(half1, bits1, c, 0);
+    high0 = nibble_codes<kCodes>(half0, bits0, c, 1), high1 = nibble_codes<kCodes>(half1, bits1, c, 1);
   } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     low0 = int8_codes<L>(_mm256_and_si256(half0, nibble));
@@ -65,10 +74,11 @@ template <Layout L>
   }
 }
 
-// One row's products over a scale block, codes (4 bytes of a row a dword) times x (4 bytes broadcast, with the
-// codes' signs where they have them): VPDPBUSD adds each dword's 4 products straight into int32 where AVX-VNNI
-// has it; otherwise VPMADDUBSW's pair sums add up in int16 (16 products a lane: 16 x 15 x 127 < 32767; Q6_K's
-// 8 x 32 x 127) and widen once a scale block, VPMADDWD against ones or against Q6_K's sub-block scales.
+// One row's products over a span of chunks (ScaleBlocks), codes (4 bytes of a row a dword) times x (4 bytes
+// broadcast, with the codes' signs where they have them): VPDPBUSD adds each dword's 4 products straight into
+// int32 where AVX-VNNI has it; otherwise VPMADDUBSW's pair sums add up in int16 (16 products a lane: 16 x 15 x
+// 127 < 32767; Q6_K's 8 x 32 x 127, 5-bit codes' 8 x 31 x 127) and widen once a span, VPMADDWD against ones or
+// against Q6_K's sub-block scales.
 struct ByteDots {
   __m256i sum = _mm256_setzero_si256();
   void add(__m256i codes0, __m256i x0, __m256i codes1, __m256i x1) {
@@ -137,7 +147,7 @@ template <Layout L>
     int8_block_scales<L>(w, G, s, d, m);
   }
   ab_order(d, scales.d);
-  if constexpr (Traits<L>::kOffsets) ab_order(m, scales.m);
+  if constexpr (kInt8Offsets<L>) ab_order(m, scales.m);
   return scales;
 }
 
@@ -155,32 +165,34 @@ template <Layout L>
 #endif
 }
 
-// dot (a and b, int32) of an x block = its scale block b's sums widened, added to the earlier scale blocks' (Q6_K,
-// weighted by `weight`, its sc; the other layouts' one scale block takes no weight).
+// dot (a and b, int32) of an x block = its span b's sums widened, added to the earlier spans' (Q6_K's weighted
+// by `weight`, their scale block's sc; the other layouts' take no weight).
 template <Layout L, int R>
 [[gnu::always_inline]] inline void widen_into(__m256i dot[R][2], const ByteDots dots[R][2], const __m256i weight[2],
                                               int b) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
+      __m256i widened;
       if constexpr (L == Layout::kQ6K) {
-        const __m256i widened = dots[r][h].int32(weight[h]);
-        dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
+        widened = dots[r][h].int32(weight[h]);
       } else {
-        dot[r][h] = dots[r][h].int32();
+        (void)weight;
+        widened = dots[r][h].int32();
       }
+      dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
     }
 }
 
 // y (a and b, rows of 16 in the order above) = m sum(x_b) + (dot d dx + y), without the m term where the layout
-// has no offsets here (MXFP4 on AVX2, Q6_K): the same operations in the same order on every path, so that a
-// row's result is bitwise the same at any row count.
+// has no offsets here (MXFP4 on AVX2, Q6_K; kInt8Offsets): the same operations in the same order on every path,
+// so that a row's result is bitwise the same at any row count.
 template <Layout L>
 inline void scale_into(__m256 y[2], const __m256i dot[2], const XBlockScales& scales, float dx_scalar,
                        float sum_x_scalar) {
   const __m256 dx = _mm256_set1_ps(dx_scalar), sum_x = _mm256_set1_ps(sum_x_scalar);
   for (int h = 0; h < 2; ++h) {
     y[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(scales.d[h], dx), y[h]);
-    if constexpr (Traits<L>::kOffsets) y[h] = _mm256_fmadd_ps(scales.m[h], sum_x, y[h]);
+    if constexpr (kInt8Offsets<L>) y[h] = _mm256_fmadd_ps(scales.m[h], sum_x, y[h]);
   }
 }
 
@@ -207,19 +219,21 @@ void group_few_rows(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
     __m256i dot[R][2];
-    for (int b = 0; b < S::kPerXBlock; ++b) {
-      const uint8_t* block = codes + (s * S::kPerXBlock + b) * S::kBytes;
-      if constexpr (Traits<L>::kHighBits > 0) simd::prefetch(block + Traits<L>::kNibbleChunks * kChunkBytes + kPrefetchBytes);
+    for (int b = 0; b < S::kSpans; ++b) {
+      const int sb = S::scale_block(b), first = S::first_chunk(b);
+      const uint8_t* block = codes + (s * S::kPerXBlock + sb) * S::kBytes;
+      if (Traits<L>::kHighBits > 0 && first == 0)  // the high bits' chunk, once a scale block
+        simd::prefetch(block + Traits<L>::kNibbleChunks * kChunkBytes + kPrefetchBytes);
       ByteDots dots[R][2];
-      for (int c = 0; c < S::kCodeChunks; ++c) {
+      for (int c = first; c < first + S::kSpanChunks; ++c) {
         simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
         ChunkOperands operands;
         dword_operands<L>(block, c, &operands);
-        const int8_t* x = xq.codes.data() + s * kBlock + 8 * (b * S::kCodeChunks + c);
+        const int8_t* x = xq.codes.data() + s * kBlock + 8 * (sb * S::kCodeChunks + c);
         for (int r = 0; r < R; ++r) add_chunk<L>(dots[r], operands, x + (first_row + r) * K);
       }
       __m256i weight[2];
-      if constexpr (L == Layout::kQ6K) sub_block_weights(w, G, s * S::kPerXBlock + b, weight);
+      if constexpr (L == Layout::kQ6K) sub_block_weights(w, G, s * S::kPerXBlock + sb, weight);
       widen_into<L, R>(dot, dots, weight, b);
     }
     const XBlockScales scales = x_block_scales<L>(w, G, s);
@@ -243,13 +257,14 @@ GroupFewRows group_few_rows_for(int64_t rows) {
 // in `acc` (rows of 16 in the a and b order). Before, each 4-row pass unpacked the block again and broadcast x
 // 2 bytes at a time, its sums spilled (a 64-row decode step's matmuls ran at 145-180 GFLOP/s on AMD family 25,
 // AVX2).
-// 4: 8 int16 sums, a chunk's 4 operands and x's 2 broadcasts: 14 registers. Q6_K 2: beside those its int32 sums
-// and signs (AMD family 25, 64 rows: 2 rows 0.89x the time of 4, 3 rows 0.96x).
+// 4: 8 int16 sums, a chunk's 4 operands and x's 2 broadcasts: 14 registers. Two spans a block (Q6_K, 5-bit) 2:
+// beside those the first span's int32 sums (and Q6_K's signs) (AMD family 25, Q6_K at 64 rows: 2 rows 0.89x the
+// time of 4, 3 rows 0.96x).
 template <Layout L>
-inline constexpr int kBlockPassRows = L == Layout::kQ6K ? 2 : 4;
+inline constexpr int kBlockPassRows = ScaleBlocks<L>::kSpans == 2 ? 2 : 4;
 
 // acc (rows of 16 in the a and b order) += x block s's products with x's rows first_row .. first_row + rows, R a
-// pass: the block's 4 chunks' operands.
+// pass: the block's 4 chunks' operands (in x's order: operand c meets x's 8 values from 8c).
 template <Layout L, int R>
 void block_passes(const ChunkOperands* operands, const __m256i (*weights)[2], const XBlockScales& scales,
                   const Int8Rows& xq, int64_t first_row, int64_t rows, int64_t K, int64_t s, float* acc) {
@@ -257,16 +272,16 @@ void block_passes(const ChunkOperands* operands, const __m256i (*weights)[2], co
   const int64_t num_blocks = K / kBlock;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     __m256i dot[R][2];
-    for (int b = 0; b < S::kPerXBlock; ++b) {
+    for (int b = 0; b < S::kSpans; ++b) {
       ByteDots dots[R][2];
       // Not unrolled: GCC unrolled the 4 chunks by itself and hoisted all 64 products ahead of their sums,
       // spilling them (the kernel ran no faster than the one it replaced).
 #pragma GCC unroll 1
-      for (int c = b * S::kCodeChunks; c < (b + 1) * S::kCodeChunks; ++c) {
+      for (int c = b * S::kSpanChunks; c < (b + 1) * S::kSpanChunks; ++c) {
         const int8_t* x = xq.codes.data() + (first_row + r0) * K + s * kBlock + 8 * c;
         for (int r = 0; r < R; ++r) add_chunk<L>(dots[r], operands[c], x + r * K);
       }
-      widen_into<L, R>(dot, dots, weights[b], b);
+      widen_into<L, R>(dot, dots, weights[S::scale_block(b)], b);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (first_row + r0 + r) * num_blocks + s;
@@ -320,7 +335,7 @@ template <Layout L, typename In>
 void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_groups, float* out,
                  int64_t out_stride, GroupOutput to) {
   static_assert((Traits<L>::kCodeBits == 4 && (Traits<L>::kOffsets || Traits<L>::kCodeTable) &&
-                 Traits<L>::kScaleWeights == kBlock) || L == Layout::kQ6K);
+                 Traits<L>::kScaleWeights == kBlock) || kUnbiased5Bit<L> || L == Layout::kQ6K);
   const Int8Split split = split_for_int8(x, M, w.K);
   const Int8Rows& xq = split.rows;
 #if defined(__AVXVNNI__)

@@ -1,9 +1,9 @@
 // Packed 4-bit weights times rows of x (prefill and decode steps, every row count) with int8 activations:
-// unsigned 4-bit codes times signed 8-bit x; also Q8_0's int8 codes with AVX-512-VNNI and Q6_K's 6-bit ones on
-// AVX2 (int8_rows_avx2.h). On AVX-512-VNNI, VPDPBUSD sums 4 products a row, 64 an
-// instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2, VPMADDUBSW makes 32
-// products an instruction, twice what VPMADDWD does on int16 x (quantized_linear.cpp, which serves the other
-// layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
+// unsigned 4-bit codes times signed 8-bit x; also Q8_0's int8 codes with AVX-512-VNNI, and the 5-bit layouts'
+// (Q5_0, Q5_1, Q5_K) and Q6_K's codes on AVX2 (int8_rows_avx2.h). On AVX-512-VNNI, VPDPBUSD sums 4 products
+// a row, 64 an instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2,
+// VPMADDUBSW makes 32 products an instruction, twice what VPMADDWD does on int16 x (quantized_linear.cpp,
+// which serves the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
 // largest value (int16's 1/32767 stays with `--batch-activations float32`), which the throughput pays for;
 // docs/benchmarks.md measures it.
 // The default (`--batch-activations int8`; `float32` keeps int16 x): with outliers exact (below) and the
@@ -175,7 +175,7 @@ bool has_int8_rows(Layout layout) {
          layout == Layout::kQ8;
 #elif defined(__AVX2__)
   return layout == Layout::kQ4 || layout == Layout::kQ4Sym || layout == Layout::kQ4K || layout == Layout::kMXFP4 ||
-         layout == Layout::kQ6K;
+         layout == Layout::kQ5Sym || layout == Layout::kQ5 || layout == Layout::kQ5K || layout == Layout::kQ6K;
 #else
   (void)layout;
   return false;
@@ -195,6 +195,9 @@ void int8_rows_matmul(const In* x, int64_t M, const PackedMatrix& w, Layout layo
 #if defined(__AVX512VNNI__)
     case Layout::kQ8: matmul_impl<Layout::kQ8>(x, M, w, num_groups, out, out_stride, to); break;
 #else
+    case Layout::kQ5Sym: matmul_impl<Layout::kQ5Sym>(x, M, w, num_groups, out, out_stride, to); break;
+    case Layout::kQ5: matmul_impl<Layout::kQ5>(x, M, w, num_groups, out, out_stride, to); break;
+    case Layout::kQ5K: matmul_impl<Layout::kQ5K>(x, M, w, num_groups, out, out_stride, to); break;
     case Layout::kQ6K: matmul_impl<Layout::kQ6K>(x, M, w, num_groups, out, out_stride, to); break;
 #endif
     default: break;
