@@ -1,5 +1,5 @@
 """The bytes of a tensor in each GGML block type, for bench/make_model.py: values quantized (gguf's quantizer,
-and a faster one of the same bytes for MXFP4), or random k-quant blocks (Q4_K, Q6_K) for `--type Q4_K_M`.
+and a faster one of the same bytes for MXFP4), or random k-quant blocks (Q4_K, Q5_K, Q6_K) for `--type Q4_K_M` and `Q5_K_M`.
 
 gguf-py cannot quantize to the k-quants (its Q4_K and Q6_K have no quantize_blocks); the tests' round-to-nearest
 quantizer can (tests/fixtures/quants.py, bench/batch_matmul.py uses it), at ~58M values/s for Q4_K here, which
@@ -17,13 +17,17 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
-RANDOM_BLOCK_TYPES = (Q.Q4_K, Q.Q6_K)
+RANDOM_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 # Q4_K (ggml's block_q4_K, 144 bytes a 256 weights): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and
 # eight 6-bit mins, 128 bytes of 4-bit codes; a weight is d * scale * q - dmin * min. Uniform q (mean 7.5, var
 # 21.25) and scales and mins uniform in 0..63 (mean 31.5, var 341.25): dmin = 7.5 d centres the weights on
 # zero, and their variance is d^2 (Var(scale q) + 7.5^2 Var(min)) = d^2 (47532 + 19195).
 _Q4_K_CODE_STD = (47532.0 + 19195.0) ** 0.5
+# Q5_K (block_q5_K, 176 bytes a 256 weights): Q4_K's d, dmin and scales, then 32 bytes of high bits and 128 of
+# low nibbles: q uniform in 0..31 (mean 15.5, var 85.25), so dmin = 15.5 d centres the weights, and their
+# variance is d^2 (Var(scale q) + 15.5^2 Var(min)) = d^2 (195666 + 81985).
+_Q5_K_CODE_STD = (195666.0 + 81985.0) ** 0.5
 # Q6_K (block_q6_K, 210 bytes a 256 weights): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8
 # scales, fp16 d; a weight is d * scale * (q - 32), q uniform in 0..63 (E[(q - 32)^2] = 341.5) and the scales
 # uniform in 1..63 (E[scale^2] = 1354.7).
@@ -35,10 +39,11 @@ def random_blocks(num_rows: int, num_cols: int, qtype: GGMLQuantizationType, std
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     num_blocks = num_rows * (num_cols // block_size)
     blocks = rng.integers(0, 256, size=(num_blocks, type_size), dtype=np.uint8)
-    if qtype == Q.Q4_K:
-        d = np.float16(std / _Q4_K_CODE_STD)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        code_std, code_mean = (_Q4_K_CODE_STD, 7.5) if qtype == Q.Q4_K else (_Q5_K_CODE_STD, 15.5)
+        d = np.float16(std / code_std)
         blocks[:, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-        blocks[:, 2:4] = np.frombuffer(np.float16(7.5 * float(d)).tobytes(), dtype=np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(code_mean * float(d)).tobytes(), dtype=np.uint8)
     elif qtype == Q.Q6_K:
         blocks[:, 192:208] = rng.integers(1, 64, size=(num_blocks, 16), dtype=np.uint8)  # int8 scales
         blocks[:, 208:210] = np.frombuffer(np.float16(std / _Q6_K_CODE_STD).tobytes(), dtype=np.uint8)

@@ -87,6 +87,16 @@ WEIGHT_TYPES = {
         more_bits=Q.Q6_K,
         tied_embedding_as_output=True,
     ),
+    # and its Q5_K_M mix: Q5_K where Q4_K_M has Q4_K, the same Q6_K tensors
+    "Q5_K_M": WeightType(
+        Q.Q5_K,
+        Q.Q5_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        LlamaFileType.MOSTLY_Q5_K_M,
+        more_bits=Q.Q6_K,
+        tied_embedding_as_output=True,
+    ),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 # llama-quantize's type for a matrix whose rows a k-quant's 256-value super-block does not divide
