@@ -9,6 +9,15 @@ bench/serve.py JSON line, then one ratio line per concurrency level (medians ove
         --peer-command "/tmp/peer-llamacpp/bin/llama-cpp-server -m MODEL.gguf --host 127.0.0.1 --port {port} -np 64 -c 16384"
 
 bench/peers.md says how to install each peer.
+
+Against another build of serval (an A/B), give each side its own tree and kernel cache, and start compare.py
+from a directory that is neither tree: `python -m serval.cli` puts the working directory ahead of PYTHONPATH
+on sys.path, so from inside one tree both servers import that tree (a sitting on 2026-12-07 measured a build
+against itself that way).
+
+    cd /tmp && /work/new/.venv/bin/python /work/new/bench/compare.py --peer-label base \
+        --serval-command "env PYTHONPATH=/work/new TORCH_EXTENSIONS_DIR=/tmp/ext-new python -m serval.cli serve --port {port}" \
+        --peer-command "env PYTHONPATH=/work/base TORCH_EXTENSIONS_DIR=/tmp/ext-base python -m serval.cli serve --port {port}"
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def _reference(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, levels: int = 32767
 ) -> torch.Tensor:
     """What the integer kernels compute: x rounded per block of 32 to int16 (levels 32767: the few-row
-    path) or int8 (127: --batch-activations int8 over 4-bit codes) times d q, plus m * sum(x_b) of the
+    path) or int8 (127: --batch-activations int8 where the build has it for the layout) times d q, plus m * sum(x_b) of the
     same rounded x (offsets: m per row and block of 32): the file's weights times the rounded x. The int8 path keeps outliers (values past 10x their row's
     RMS) exact and rounds the rest of their blocks without them."""
     m, k = x.shape
@@ -210,7 +210,9 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
         # int8 x over 4-bit codes wherever AVX2 is, over Q8_0's int8 codes with AVX-512-VNNI, and over the
         # 5-bit layouts' and Q6_K's codes on AVX2 without AVX-512.
         avx512 = kernels.variant.startswith("avx512")
-        int8_codes = packed.bits == 4 or (packed.bits == 8 and avx512) or (packed.bits in (5, 6) and not avx512)
+        int8_codes = (
+            packed.bits == 4 or (packed.bits == 8 and avx512) or (packed.bits in (5, 6) and not avx512)
+        )
         if int8_codes and kernels.int8_rows_from:
             # x rounded to 1/127 of each block's largest value, the outlier channel (900) exact.
             expected = _reference(x, weight, _offsets(block), levels=127).float()
