@@ -1,6 +1,6 @@
 // quantized_int8.cpp's products on AVX2 (with or without AVX-VNNI): packed 4-, 5- and 6-bit weights times
-// rows of x rounded to int8. Each row's 4 consecutive weights are made one dword (a chunk's two 32-byte halves, whose
-// words are 2 weights of each of the 16 rows, interleaved), so that x is broadcast 4 bytes at a time:
+// rows of x rounded to int8. Each row's 4 consecutive weights are made one dword (a chunk's two 32-byte
+// halves, whose words are 2 weights of each of the 16 rows, interleaved), so that x is broadcast 4 bytes at a time:
 // VPMADDUBSW makes 32 products an instruction, summed in int16 (VPDPBUSD's int32 with AVX-VNNI). The
 // interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the other ("a" and "b"); d and m are
 // read in the same order, and results leave it at the end (store_in_order).
@@ -52,8 +52,9 @@ template <Layout L>
   const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
   const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
   __m256i low0, low1, high0, high1;
-  if constexpr (Traits<L>::kHighBits > 0) {  // Q6_K's codes less their bias (quantized.h); 5-bit ones as they are
-    constexpr Layout kCodes = kUnbiased5Bit<L> ? Layout::kQ5 : L;  // Q5_1's codes: Q5_0's without the bias
+  if constexpr (Traits<L>::kHighBits > 0) {  // Q6_K's codes less their bias (quantized.h); 5-bit ones as stored
+    // Q5_1's nibble_codes subtract no bias: the three 5-bit layouts store their codes alike
+    constexpr Layout kCodes = kUnbiased5Bit<L> ? Layout::kQ5 : L;
     const uint8_t* bits = block + Traits<L>::kNibbleChunks * kChunkBytes;
     const __m256i bits0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
     const __m256i bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 32));
@@ -170,15 +171,10 @@ template <Layout L>
 template <Layout L, int R>
 [[gnu::always_inline]] inline void widen_into(__m256i dot[R][2], const ByteDots dots[R][2], const __m256i weight[2],
                                               int b) {
+  (void)weight;  // Q6_K's only
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
-      __m256i widened;
-      if constexpr (L == Layout::kQ6K) {
-        widened = dots[r][h].int32(weight[h]);
-      } else {
-        (void)weight;
-        widened = dots[r][h].int32();
-      }
+      const __m256i widened = L == Layout::kQ6K ? dots[r][h].int32(weight[h]) : dots[r][h].int32();
       dot[r][h] = b == 0 ? widened : _mm256_add_epi32(dot[r][h], widened);
     }
 }
