@@ -1,7 +1,7 @@
 """Write random-weight GGUF files of real model shapes, to benchmark serval and llama-server on.
 
 Both servers read the same file, so a comparison at 1B-30B needs no downloaded checkpoint. Owns what
-`--type` means (each tensor's GGML type, llama.cpp's Q4_K_M mix), the file's tensor plan and metadata, and
+`--type` means (each tensor's GGML type, llama.cpp's Q4_K_M and Q5_K_M mixes), the file's tensor plan and metadata, and
 the streaming writer; the shapes (Llama 3.2 1B/3B, Llama 2 7B, the mixture-of-experts Qwen3-30B-A3B and
 gpt-oss-20b, and a tiny self-check shape) are bench/model_shapes.py's, each type's bytes bench/gguf_blocks.py's.
 The vocabulary and every `tokenizer.*` key come from the default model (SmolLM2's 49152-token BPE), so the
@@ -14,8 +14,9 @@ text a model generates is noise but its speed and memory are real. Files are mad
     .venv/bin/python bench/make_model.py --shape gpt-oss-20b --type MXFP4 --layers 2
     # the size of the full file, without writing it
     .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_0 --dry-run
-    # llama.cpp's Q4_K_M mix as random k-quant blocks (bench/gguf_blocks.py: no quantizer needed)
+    # llama.cpp's Q4_K_M mix as random k-quant blocks (bench/gguf_blocks.py: no quantizer needed); Q5_K_M too
     .venv/bin/python bench/make_model.py --shape qwen3-30b-a3b --type Q4_K_M
+    .venv/bin/python bench/make_model.py --shape llama-3.2-1b --type Q5_K_M
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class WeightType:
     tied_embedding_as_output: bool = False
 
 
+def k_quant_mix(base: GGMLQuantizationType, file_type: LlamaFileType) -> WeightType:
+    """llama-quantize's _M mix over `base` (Q4_K for Q4_K_M, Q5_K for Q5_K_M), written as random blocks
+    (bench/gguf_blocks.py): a Q6_K head (the tied embedding too), and Q6_K attn_v and ffn_down(_exps) in the
+    first and last eighth of the layers and every third between."""
+    return WeightType(base, base, base, Q.Q6_K, file_type, more_bits=Q.Q6_K, tied_embedding_as_output=True)
+
+
 # NOTE: llama-quantize gives a Q4_0 model a Q6_K output.weight, but gguf's Python quantizer cannot write Q6_K
 # (quants.Q6_K has no quantize_blocks), so the untied head is Q8_0: the same role ("the head keeps more
 # bits"), about 6% more bytes for that one tensor.
@@ -76,27 +84,8 @@ WEIGHT_TYPES = {
     "Q8_0": WeightType(Q.Q8_0, Q.Q8_0, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "F16": WeightType(Q.F16, Q.F16, Q.F16, Q.F16, LlamaFileType.MOSTLY_F16),
     "MXFP4": WeightType(Q.Q8_0, Q.MXFP4, Q.Q8_0, Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, experts_only=True),
-    # llama-quantize's Q4_K_M mix, written as random blocks (bench/gguf_blocks.py): Q4_K, with a Q6_K head
-    # and Q6_K attn_v and ffn_down(_exps) in the first and last eighth of the layers and every third between.
-    "Q4_K_M": WeightType(
-        Q.Q4_K,
-        Q.Q4_K,
-        Q.Q4_K,
-        Q.Q6_K,
-        LlamaFileType.MOSTLY_Q4_K_M,
-        more_bits=Q.Q6_K,
-        tied_embedding_as_output=True,
-    ),
-    # and its Q5_K_M mix: Q5_K where Q4_K_M has Q4_K, the same Q6_K tensors
-    "Q5_K_M": WeightType(
-        Q.Q5_K,
-        Q.Q5_K,
-        Q.Q5_K,
-        Q.Q6_K,
-        LlamaFileType.MOSTLY_Q5_K_M,
-        more_bits=Q.Q6_K,
-        tied_embedding_as_output=True,
-    ),
+    "Q4_K_M": k_quant_mix(Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "Q5_K_M": k_quant_mix(Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
 }
 MORE_BITS_PARTS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 # llama-quantize's type for a matrix whose rows a k-quant's 256-value super-block does not divide
