@@ -31,7 +31,7 @@ PEER = "serval vs llama-server"
 # (key, legend label, colour); the legend's order. Each label names the CPU as its dated section records it.
 CPUS = [
     ("zen2", "AMD EPYC 7002 (Zen 2), AVX2 only, 2026-12-02", "#8c564b"),
-    ("zen3", "AMD EPYC fam. 25 model 1, AVX2 only, 2026-12-04", "#bcbd22"),
+    ("zen3", "AMD EPYC fam. 25 model 1, AVX2 only, 2026-12-04/07", "#bcbd22"),
     ("epyc-12-01", "AMD EPYC, AVX-512 + BF16 + VNNI, 2026-12-01", "#7f7f7f"),
     ("zen4", "AMD EPYC (Zen 4), AVX-512 + BF16 + VNNI, 2026-12-03/04", "#1f77b4"),
     ("fam26", "AMD EPYC fam. 26 (Zen 5-class), AVX-512, 2026-12-06", "#2ca02c"),
@@ -56,11 +56,16 @@ SOURCES = [
         "2026-12-04c-xeon-avx2-held-smollm2-135m-Q4_1-serval-vs-llama-server.jsonl",
     ),
     ("135M Q4_1\n(default)", "fam26", "2026-12-06j-zen5-serval-vs-llama-server.jsonl"),
+    ("135M Q4_1\n(default)", "zen3", "2026-12-07f-zen3-smollm2-135m-Q4_1-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "zen2", "2026-12-02-avx2-llama-3.2-1b-Q4_0-round2-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "zen4", "2026-12-04b-avx512-llama-3.2-1b-Q4_0-serval-vs-llama-server.jsonl"),
     ("1B Q4_0", "xeon", "2026-12-04c-xeon-avx512-llama-3.2-1b-Q4_0-serval-vs-llama-server.jsonl"),
+    ("1B Q4_0", "zen3", "2026-12-07f-zen3-llama-3.2-1b-Q4_0-serval-vs-llama-server.jsonl"),
     ("1B Q4_K_M", "zen2", "2026-12-02-avx2-llama-3.2-1b-Q4_K_M-session3-serval-vs-llama-server.jsonl"),
     ("1B Q4_K_M", "zen4", "2026-12-04b-avx512-llama-3.2-1b-Q4_K_M-serval-vs-llama-server.jsonl"),
+    # Not 2026-12-07h's zen3 Q4_K_M sitting: llama-server dropped requests at C=16 there, so its tok/s ratio
+    # is not quoted (docs/benchmarks.md).
+    ("1B Q5_K_M", "zen3", "2026-12-07i-zen3-llama-3.2-1b-Q5_K_M-serval-vs-llama-server.jsonl"),
     ("3B Q4_0", "zen2", "2026-12-02-avx2-llama-3.2-3b-Q4_0-serval-vs-llama-server.jsonl"),
     ("7B Q4_0", "zen2", "2026-12-02-avx2-llama-2-7b-Q4_0-serval-vs-llama-server.jsonl"),
     ("7B Q4_0", "zen4", "2026-12-04a-avx512-llama-2-7b-Q4_0-c1-serval-vs-llama-server.jsonl"),
