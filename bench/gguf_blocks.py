@@ -1,5 +1,6 @@
 """The bytes of a tensor in each GGML block type, for bench/make_model.py: values quantized (gguf's quantizer,
-and a faster one of the same bytes for MXFP4), or random k-quant blocks (Q4_K, Q5_K, Q6_K) for `--type Q4_K_M` and `Q5_K_M`.
+and a faster one of the same bytes for MXFP4), or random k-quant blocks (Q4_K, Q5_K, Q6_K) for `--type
+Q4_K_M` and `Q5_K_M`.
 
 gguf-py cannot quantize to the k-quants (its Q4_K and Q6_K have no quantize_blocks); the tests' round-to-nearest
 quantizer can (tests/fixtures/quants.py, bench/batch_matmul.py uses it), at ~58M values/s for Q4_K here, which

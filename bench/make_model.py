@@ -1,8 +1,8 @@
 """Write random-weight GGUF files of real model shapes, to benchmark serval and llama-server on.
 
 Both servers read the same file, so a comparison at 1B-30B needs no downloaded checkpoint. Owns what
-`--type` means (each tensor's GGML type, llama.cpp's Q4_K_M and Q5_K_M mixes), the file's tensor plan and metadata, and
-the streaming writer; the shapes (Llama 3.2 1B/3B, Llama 2 7B, the mixture-of-experts Qwen3-30B-A3B and
+`--type` means (each tensor's GGML type, llama.cpp's Q4_K_M and Q5_K_M mixes), the file's tensor plan and
+metadata, and the streaming writer; the shapes (Llama 3.2 1B/3B, Llama 2 7B, the mixture-of-experts Qwen3-30B-A3B and
 gpt-oss-20b, and a tiny self-check shape) are bench/model_shapes.py's, each type's bytes bench/gguf_blocks.py's.
 The vocabulary and every `tokenizer.*` key come from the default model (SmolLM2's 49152-token BPE), so the
 text a model generates is noise but its speed and memory are real. Files are made on demand, never committed:

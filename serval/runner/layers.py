@@ -281,7 +281,8 @@ def use_native_kernels(
     PyTorch's GEMM, whose order over K follows the row count, and the bf16 small-batch kernel for a few
     rows); norms and SwiGLU take bf16 or fp32.
     int8_batch_activations: the quantized kernel rounds x to int8 over 4-bit codes, and Q8_0's or 5- and 6-bit
-    ones where the build has them (every row count wherever AVX2 is: kernels.int8_rows_from; `--batch-activations int8`).
+    ones where the build has them (every row count wherever AVX2 is: kernels.int8_rows_from;
+    `--batch-activations int8`).
     """
     for module in model.modules():
         if isinstance(module, Linear):

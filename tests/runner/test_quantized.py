@@ -164,8 +164,8 @@ def _reference(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, levels: int = 32767
 ) -> torch.Tensor:
     """What the integer kernels compute: x rounded per block of 32 to int16 (levels 32767: the few-row
-    path) or int8 (127: --batch-activations int8 where the build has it for the layout) times d q, plus m * sum(x_b) of the
-    same rounded x (offsets: m per row and block of 32): the file's weights times the rounded x. The int8 path keeps outliers (values past 10x their row's
+    path) or int8 (127: --batch-activations int8 where the build has it for the layout) times d q, plus
+    m * sum(x_b) of the same rounded x (offsets: m per row and block of 32): the file's weights times the rounded x. The int8 path keeps outliers (values past 10x their row's
     RMS) exact and rounds the rest of their blocks without them."""
     m, k = x.shape
     x = x.float()

@@ -1,7 +1,7 @@
 // quantized_int8.cpp's products on AVX2 (with or without AVX-VNNI): packed 4-, 5- and 6-bit weights times
 // rows of x rounded to int8. Each row's 4 consecutive weights are made one dword (a chunk's two 32-byte
-// halves, whose words are 2 weights of each of the 16 rows, interleaved), so that x is broadcast 4 bytes at a time:
-// VPMADDUBSW makes 32 products an instruction, summed in int16 (VPDPBUSD's int32 with AVX-VNNI). The
+// halves, whose words are 2 weights of each of the 16 rows, interleaved), so that x is broadcast 4 bytes at a
+// time: VPMADDUBSW makes 32 products an instruction, summed in int16 (VPDPBUSD's int32 with AVX-VNNI). The
 // interleave leaves rows 0-3 and 8-11 in one register, 4-7 and 12-15 in the other ("a" and "b"); d and m are
 // read in the same order, and results leave it at the end (store_in_order).
 // Q6_K's scale blocks are 16 weights (2 nibble chunks and their high bits), so x's block of 32 spans two

@@ -3,8 +3,8 @@
 // (Q5_0, Q5_1, Q5_K) and Q6_K's codes on AVX2 (int8_rows_avx2.h). On AVX-512-VNNI, VPDPBUSD sums 4 products
 // a row, 64 an instruction, against the int16 path's 32 (VPDPWSSD, quantized_linear.cpp); on AVX2,
 // VPMADDUBSW makes 32 products an instruction, twice what VPMADDWD does on int16 x (quantized_linear.cpp,
-// which serves the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its block's
-// largest value (int16's 1/32767 stays with `--batch-activations float32`), which the throughput pays for;
+// which serves the other layouts and the portable build). This is llama.cpp's trade: x rounds to 1/127 of its
+// block's largest value (int16's 1/32767 stays with `--batch-activations float32`), which the throughput pays for;
 // docs/benchmarks.md measures it.
 // The default (`--batch-activations int8`; `float32` keeps int16 x): with outliers exact (below) and the
 // offset term summing the rounded x (quantized.h), its divergence from fp32 on the default model is below
