@@ -232,10 +232,13 @@ def test_quantized_matmul_matches_reference(kernels, qtype, rows):
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("int8", [False, True], ids=["int16_x", "int8_x"])
-def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8):
+@pytest.mark.parametrize("wide", [False, True], ids=["short_rows", "long_rows"])
+def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8, wide):
     """Batch invariance at the matmul: a row's output is bitwise the same alone and among any number of
-    other rows (a decode alone, in a batch of 64, in a prefill chunk), for fp32 and bf16 x, outliers included."""
-    cols = 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    other rows (a decode alone, in a batch of 64, in a prefill chunk), for fp32 and bf16 x, outliers included.
+    Long rows of weights (over 1536) take other many-row passes on AVX2 (quantized_linear.cpp's kTileMaxK)."""
+    super_blocks = gguf.GGML_QUANT_SIZES[qtype][0] == 256
+    cols = (1792 if super_blocks else 1568) if wide else (768 if super_blocks else 352)
     raw, _ = _file_matrix(qtype, 40, cols, seed=3)
     packed = pack_block_codes(block_codes(raw, qtype, (40, cols)))
     kernel = quantized_matmul(kernels, int8_batch_activations=int8)

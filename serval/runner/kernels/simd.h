@@ -314,4 +314,13 @@ inline Vec exp_bounded(Vec x) { return exp_nonpositive(min(x, set1(88.0f))); }
 // Asks for the cache line at p ahead of its use (a no-op where the target has no prefetch instruction).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+#if defined(__AVX2__)
+// acc += v (int32 lanes), written into acc's own register. For sums carried around a loop and read after it,
+// GCC 12 added each step into a fresh register and copied the sum back: a register move per sum and step, 8
+// beside the 8 VPMADDWDs of quantized_linear.cpp's int16 passes, decoder slots the multiplies needed.
+[[gnu::always_inline]] inline void add_in_place_epi32(__m256i& acc, __m256i v) {
+  asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v));
+}
+#endif
+
 }  // namespace serval_kernels::simd
