@@ -155,7 +155,8 @@ template <Layout L>
 [[gnu::always_inline]] inline void scale_into(__m256 acc[2], const __m256i dot[2], const float* d, const float* m,
                                               float dx, float sum_x) {
   for (int h = 0; h < 2; ++h) {
-    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(_mm256_load_ps(d + 8 * h), _mm256_set1_ps(dx)), acc[h]);
+    const __m256 d_dx = _mm256_mul_ps(_mm256_load_ps(d + 8 * h), _mm256_set1_ps(dx));
+    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), d_dx, acc[h]);
     if constexpr (Traits<L>::kOffsets)  // + m sum(x_b)
       acc[h] = _mm256_fmadd_ps(_mm256_load_ps(m + 8 * h), _mm256_set1_ps(sum_x), acc[h]);
   }
@@ -281,7 +282,10 @@ void group_tile(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
     for (int c = 0; c < kCodeChunks; ++c) {
       __m256i operand[kOperands];
       chunk_operands<L>(block, high0, high1, c, operand);
-      for (int o = 0; o < kOperands; ++o) widen_pair<L>(operand[o], &pairs[kOperands * c + o][0], &pairs[kOperands * c + o][1]);
+      for (int o = 0; o < kOperands; ++o) {
+        __m256i* pair = pairs[kOperands * c + o];
+        widen_pair<L>(operand[o], &pair[0], &pair[1]);
+      }
     }
     alignas(32) float d[kGroup], m[kGroup];
     block_scales<L>(w, G, s, d, m);
