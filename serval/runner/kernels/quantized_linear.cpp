@@ -219,10 +219,10 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
 // Many rows over short rows of weights: each scale block's codes are widened once (int16 pairs, in L1) for a
 // tile of x's rows, which take them 4 rows a pass, their 8 sums in registers beside a pair's 2 operands and x,
 // their fp32 results in `acc`. group_rows widens them again for every pass of kMaxRows, whose 16 sums do not fit
-// AVX2's 16 registers beside those and spill. On AMD family 25 (Q8_0, one thread, against group_rows): K 576,
-// 1024 and 1536 0.85-0.89x the time at 64 rows, 0.88-0.91x at 16 (the default model's LM head, 49152 x 576:
-// 0.79-0.84x at 64). Over longer rows a tile's x no longer stays near (32 rows of K 8192 in int16: 512 KB, the
-// whole L2): K 2048 took 0.85x the time at 64 rows but 1.16x at 16, K 8192 0.98-1.15x at 16 to 64.
+// AVX2's 16 registers beside those and spill. On AMD family 25 (Q8_0, one thread, against group_rows): K 1024
+// and 1536 0.85-0.90x the time at 64 rows, K 576 and 1536 0.80-0.91x at 16 (the default model's LM head, 49152
+// x 576: 0.79-0.84x at 64). Over longer rows a tile's x no longer stays near (32 rows of K 8192 in int16: 512
+// KB, the whole L2): K 2048 took 0.85x the time at 64 rows but 1.16x at 16, K 8192 0.85-1.15x at 16 to 64.
 constexpr int64_t kTileRows = 32;
 constexpr int kTilePassRows = 4;
 constexpr int64_t kTileMaxK = 1536;
