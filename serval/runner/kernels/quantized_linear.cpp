@@ -122,6 +122,17 @@ inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// A scale block's high-bit chunk (its last; zeros for layouts without high bits), its two 32-byte halves.
+template <Layout L>
+[[gnu::always_inline]] inline void high_bit_halves(const uint8_t* block, __m256i* high0, __m256i* high1) {
+  *high0 = *high1 = _mm256_setzero_si256();
+  if constexpr (Traits<L>::kHighBits > 0) {
+    const uint8_t* high = block + Traits<L>::kNibbleChunks * kChunkBytes;
+    *high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+    *high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + 32));
+  }
+}
+
 // Chunk c's operands (bytes): a 64-byte chunk's 32-byte half h holds rows 0-7 in its low 16 bytes and rows 8-15
 // in its high 16 bytes (2 weights each); nibble layouts' low nibbles, then high ones, joined with their high
 // bits (high0 and high1: the scale block's last chunk).
@@ -179,12 +190,9 @@ void group_rows(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
     const uint8_t* block = codes + s * T::kChunks * kChunkBytes;
     __m256i dots[R][2];
     for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-    __m256i high0 = _mm256_setzero_si256(), high1 = _mm256_setzero_si256();  // the high-bit chunk's halves
-    if constexpr (T::kHighBits > 0) {
-      simd::prefetch(block + kCodeChunks * kChunkBytes + kPrefetchBytes);
-      high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes));
-      high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes + 32));
-    }
+    if constexpr (T::kHighBits > 0) simd::prefetch(block + kCodeChunks * kChunkBytes + kPrefetchBytes);
+    __m256i high0, high1;
+    high_bit_halves<L>(block, &high0, &high1);
     // Not unrolled: GCC's full unroll of the block kept all 16 products live and spilled them to the stack.
 #pragma GCC unroll 1
     for (int c = 0; c < kCodeChunks; ++c) {
@@ -274,11 +282,8 @@ void group_tile(const PackedMatrix& w, int64_t G, const Int16Rows& xq, int64_t f
   alignas(32) __m256i pairs[T::kScaleWeights / 2][2];
   for (int64_t s = 0; s < num_scale_blocks; ++s) {
     const uint8_t* block = w.codes + G * w.group_bytes + s * T::kChunks * kChunkBytes;
-    __m256i high0 = _mm256_setzero_si256(), high1 = _mm256_setzero_si256();
-    if constexpr (T::kHighBits > 0) {
-      high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes));
-      high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kCodeChunks * kChunkBytes + 32));
-    }
+    __m256i high0, high1;
+    high_bit_halves<L>(block, &high0, &high1);
     for (int c = 0; c < kCodeChunks; ++c) {
       __m256i operand[kOperands];
       chunk_operands<L>(block, high0, high1, c, operand);
@@ -342,15 +347,15 @@ GroupRows group_rows_for(Layout layout, int64_t rows) {
 }
 
 // Rows of int16 x (quantized per block) through group_rows, in passes of kMaxRows over each group, whose codes
-// stay in L1 between passes.
+// stay in L1 between passes; on AVX2, many rows over short rows of weights in tiles (group_tile).
 void run_integer_rows(const Int16Rows& xq, int64_t M, const PackedMatrix& w, Layout layout, int64_t num_groups, float* out,
                   int64_t out_stride) {
-  const GroupRows run_full = group_rows_for(layout, kMaxRows), run_rest = group_rows_for(layout, M % kMaxRows);
   // About 16 chunks a call: enough to balance, few enough that handing them out costs nothing.
+  const int64_t grain = num_groups / 16;
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  if (M > kMaxRows && w.K <= kTileMaxK) {  // tiles of rows (group_tile)
+  if (M > kMaxRows && w.K <= kTileMaxK) {
     with_layout(layout, [&](auto L) {
-      parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+      parallel_chunks(num_groups, grain, [&](int64_t begin, int64_t end) {
         for (int64_t G = begin; G < end; ++G)
           for (int64_t r = 0; r < M; r += kTileRows)
             group_tile<decltype(L)::value>(w, G, xq, r, std::min(kTileRows, M - r), out + G * kGroup, out_stride);
@@ -359,7 +364,8 @@ void run_integer_rows(const Int16Rows& xq, int64_t M, const PackedMatrix& w, Lay
     return;
   }
 #endif
-  parallel_chunks(num_groups, num_groups / 16, [&](int64_t begin, int64_t end) {
+  const GroupRows run_full = group_rows_for(layout, kMaxRows), run_rest = group_rows_for(layout, M % kMaxRows);
+  parallel_chunks(num_groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t G = begin; G < end; ++G)
       for (int64_t r = 0; r < M; r += kMaxRows)
         (M - r >= kMaxRows ? run_full : run_rest)(w, G, xq, r, out + r * out_stride + G * kGroup, out_stride);
