@@ -27,7 +27,7 @@ def test_the_first_compile_is_announced_with_the_cpu_features(monkeypatch, caplo
     assert announce.startswith(
         f"compiling native kernels for baseline {os.uname().machine} (portable variant)"
     )
-    assert "first start only, usually about a minute" in announce
+    assert "first start only, usually about two minutes" in announce
     assert done.startswith("native CPU kernels compiled in")
     best = kernels.runnable_variants()[0]
     if best.cpu_flags:

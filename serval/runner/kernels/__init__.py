@@ -328,7 +328,7 @@ def load_cpu_kernels(variant: str | None = None):
         first_build = not _build_directory_exists(module_name)
         if first_build:
             logger.info(
-                "compiling native kernels for %s (%s variant), first start only, usually about a minute; later"
+                "compiling native kernels for %s (%s variant), first start only, usually about two minutes; later"
                 " starts reuse the build",
                 " ".join(chosen.cpu_flags) or f"baseline {platform.machine()}",
                 chosen.name,
