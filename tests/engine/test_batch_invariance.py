@@ -4,8 +4,9 @@ small, a prefix-cache hit, preemption), on every kernel variant this CPU runs (d
 
 Each variant runs in both compute dtypes the default picks: bf16 (a CPU with native bf16 products) and fp32
 (one without: the packed weights computed in fp32). On a CPU without native bf16 the default is fp32 already,
-so the fp32 setup would repeat it and skips. The best variant in this CPU's default dtype runs in the quick
-suite, the rest under `slow`.
+so the fp32 setup would repeat it and skips. The portable build leaves the many-row and preemption cases to
+the SIMD variants (_skip_many_rows_on_portable). The best variant in this CPU's default dtype runs in the
+quick suite, the rest under `slow`.
 """
 
 from __future__ import annotations
