@@ -216,10 +216,12 @@ def test_a_query_is_answered_alike_decoded_or_in_any_prefill_chunk(kernels, head
     chunk with the whole prompt, in chunks split elsewhere, or in one-token chunks (a prefix-cache hit's last
     token, a chunk's remainder)."""
     torch.manual_seed(head_dim)
-    num_heads, num_kv_heads, block_size, length = 6, 2, 16, 70
+    # 150 keys: past the prefill kernel's first chunk of keys at every head size (128 keys at 32, 64 at 64, 32 at
+    # 128), so that scores and sums go on across chunks.
+    num_heads, num_kv_heads, block_size, length = 6, 2, 16, 150
     k_cache = torch.randn(16, block_size, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(16)[:5].unsqueeze(0)
+    table = torch.randperm(16)[:10].unsqueeze(0)
     q = torch.randn(length, num_heads, head_dim).to(dtype)
     window, with_sinks = GPT_OSS[attention]
     window *= 7  # 28 and 21 keys: windows starting mid-tile
@@ -236,7 +238,7 @@ def test_a_query_is_answered_alike_decoded_or_in_any_prefill_chunk(kernels, head
         return out
 
     whole = chunk(0, length)
-    assert torch.equal(torch.cat([chunk(0, 23), chunk(23, 30), chunk(53, 17)]), whole)
+    assert torch.equal(torch.cat([chunk(0, 23), chunk(23, 30), chunk(53, 97)]), whole)
     assert torch.equal(torch.cat([chunk(i, 1) for i in range(length)]), whole)
     decoded = torch.cat([
         kernels.paged_decode_attention(q[i : i + 1].contiguous(), k_cache, v_cache, table, torch.tensor([i + 1]),

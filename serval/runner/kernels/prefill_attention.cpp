@@ -8,13 +8,14 @@
 // prefill chunk needs no gather and no mask tensor.
 //
 // Work is split into tasks of (sequence, kv head, block of 16 query rows), the heaviest (last rows) first. A
-// task converts the K and V rows it needs to fp32 once. Then for each of the G query heads sharing the kv
-// head: scores, an exact softmax (max, exp, sum), the softmax-weighted sum of V. Scores are formed a tile of
+// task's G query heads sharing the kv head take its keys a chunk at a time (16 KB of fp32 rows, widened once and
+// kept in L1): scores for all of the task's rows, then an exact softmax (max, exp, sum) a row, then the
+// softmax-weighted sum of V, again a chunk of values at a time for all rows. Scores are formed a tile of
 // kWidth keys (16 on AVX-512, 8 on AVX2) at a time by common.h's tile_scores, tiles at whole multiples of the
 // width from position 0, exactly as decode_attention.cpp forms them, and the softmax and the sum of V go in
 // the same order: a row's output does not depend on the chunk it is computed in, nor on whether it is decoded
-// (batch invariance; chunked prefill, a prefix-cache hit and a one-token chunk included). Rows go 4 at a time
-// (fewer for wider heads) through the softmax and V so that enough independent FMA chains are in flight.
+// (batch invariance; chunked prefill, a prefix-cache hit and a one-token chunk included). Rows go several at a
+// time through V (value_rows) so that enough independent FMA chains are in flight.
 // (Until 2026-12-06 K went transposed into the tiles, a row's scores lane-wise FMAs of the broadcast query
 // with no horizontal sums: cheaper, but summed in another order than a decode's.)
 //
@@ -61,7 +62,7 @@ struct Sequence {
 
 // Per-thread scratch, grown as needed and kept: a prefill's tasks are many and alike.
 struct Scratch {
-  std::vector<float> keys, values, queries, scores, zeros;
+  std::vector<float> keys, values, queries, scores, sums, maxima, inverse_sums, zeros;
 };
 
 // The K/V cache row of context token t of one kv head, as an element offset.
@@ -112,107 +113,187 @@ void attend_task_plain(const T* q, const K* k_cache, const K* v_cache, T* out, c
   }
 }
 
-// The V pass's output vectors at a time: all of a head of up to 16 vectors, else 8 (a 512-wide latent). Each
+// The V pass's output vectors at a time, and its rows at a time (R): R * CB output accumulators in registers,
+// beside the rows' R weights and one V vector. AVX-512 (32 registers): all of a head of up to 16 vectors, else 8
+// (a 512-wide latent), and 16 accumulators. AVX2 (16 registers): chunks of 4 vectors, 3 rows, 12 accumulators
+// (as decode_attention.cpp's V pass); with 16 (2 rows of a whole 8-vector head) two of them lived on the stack,
+// a store and a reload on each key's chain, and with 8 (2 rows) the FMAs' latency bound each key's step. Each
 // output value's sum goes over the same keys in the same order either way (decode_attention.cpp's too).
-constexpr int value_chunk(int vectors) { return vectors <= 16 ? vectors : 8; }
+constexpr int value_chunk(int vectors) {
+  return simd::kWidth == 16 ? (vectors <= 16 ? vectors : 8) : std::min(vectors, 4);
+}
+constexpr int value_rows(int chunk) {
+  return simd::kWidth == 16 ? (chunk <= 4 ? 4 : (chunk <= 8 ? 2 : 1)) : std::max(1, 12 / chunk);
+}
+
+// The keys a pass takes at a time: every query row of the task (its G heads' 16 rows) goes over one chunk of K
+// (then of V), widened into `keys` (`values`) and kept in L1, before the next. A row at a time over all of the
+// task's keys read them from L2 once a row: a 448-token prompt's 16-row task holds 115 KB of fp32 keys, streamed
+// 48 times (the default model's 3 heads a kv head). With the chunks and the AVX2 rows above, that prompt's 30
+// layers took ~0.75x the time on AVX2 (AMD family 25, one thread and two; docs/benchmarks/2026-12-07.md).
+constexpr int64_t kChunkBytes = 16 * 1024;  // a chunk's fp32 rows: half of a 32 KB L1
+template <int D>
+constexpr int64_t chunk_tiles() { return std::max<int64_t>(1, kChunkBytes / (kTile * D * 4)); }
+
+// A task's rows, R at a time: the tiles of keys the group's rows go over ([first_tile, tiles), the union of its
+// rows' keys: keys outside a row's are masked), and each row's first and last key (relative to the task's base).
+struct RowGroups {
+  int64_t first[kQueryBlock], position[kQueryBlock], first_tile[kQueryBlock], tiles[kQueryBlock];
+  int64_t count;
+};
+
+template <int R>
+RowGroups row_groups(const Sequence& s, const Layout& l, const Task& task, int64_t base) {
+  RowGroups g;
+  const int64_t rows = task.row_end - task.row_begin;
+  for (int64_t i = 0; i < rows; ++i) {
+    g.position[i] = s.position(task.row_begin + i) - base;
+    g.first[i] = s.first_key(task.row_begin + i, l.window) - base;
+  }
+  g.count = (rows + R - 1) / R;
+  for (int64_t j = 0; j < g.count; ++j) {
+    g.first_tile[j] = g.first[j * R] / kTile;
+    g.tiles[j] = g.position[std::min<int64_t>(j * R + R - 1, rows - 1)] / kTile + 1;
+  }
+  return g;
+}
+
+// Rows [begin, end) of keys (or values), relative to base, widened to fp32 into dst; whole tiles past the
+// context's last key are zeros (weighted by zero, never read as keys).
+template <typename K>
+void widen_rows(const K* cache, const float* scales, const Sequence& s, const Layout& l, int64_t kv_head,
+                int64_t base, int64_t begin, int64_t end, int64_t num_keys, int64_t width, float* dst) {
+  for (int64_t t = begin; t < std::min(end, num_keys); ++t) {
+    const int64_t row = cache_row(s, l, kv_head, base + t);
+    load_cache_row(cache + row, dst + (t - begin) * width, width, row_scale(scales, row, l.head_dim));
+  }
+  if (end > num_keys) std::fill(dst + (std::max(begin, num_keys) - begin) * width, dst + (end - begin) * width, 0.0f);
+}
 
 template <typename T, typename K, int D, int DV = D>  // q and out, cache; head_dim, a multiple of 2 * kWidth; value_dim
 void attend_task(const T* q, const K* k_cache, const K* v_cache, T* out, const Sequence& s, const Layout& l,
                  const Task& task, Scratch& scratch) {
   using simd::Vec;
-  constexpr int W = simd::kWidth, C = D / W, CV = DV / W, CB = value_chunk(CV);
+  constexpr int W = simd::kWidth, C = D / W, CV = DV / W, CB = value_chunk(CV), R = value_rows(CB);
   static_assert(DV % W == 0 && CV % CB == 0, "whole chunks of whole vectors");
-  constexpr int R = CB <= 4 ? 4 : (CB <= 8 ? 2 : 1);  // rows at a time: R * CB output accumulators in registers
+  constexpr int64_t kChunkTiles = chunk_tiles<D>(), kChunk = kChunkTiles * kTile;
   // Keys [base, base + num_keys): what the task's rows see, from the start of its first key's tile; below, key
   // indices are relative to base, which is a whole number of tiles.
   const int64_t base = s.first_key(task.row_begin, l.window) / kTile * kTile;
   const int64_t num_keys = s.position(task.row_end - 1) + 1 - base;
   const int64_t num_tiles = (num_keys + kTile - 1) / kTile, padded = num_tiles * kTile;
-  const int64_t rows = task.row_end - task.row_begin;
-  scratch.keys.resize(num_keys * D);  // row-major, as the cache holds them
-  scratch.values.assign(padded * DV, 0.0f);
-  scratch.queries.resize(l.group * kQueryBlock * D);
-  scratch.scores.resize(l.group * kQueryBlock * padded);
+  const int64_t rows = task.row_end - task.row_begin, slots = l.group * kQueryBlock;  // slots: (head, row)
+  const RowGroups groups = row_groups<R>(s, l, task, base);
+  scratch.keys.resize(kChunk * D);
+  scratch.values.resize(kChunk * DV);
+  scratch.queries.resize(slots * D);
+  scratch.scores.resize(slots * padded);
+  scratch.sums.resize(slots * DV);
+  scratch.maxima.resize(slots * W);
+  scratch.inverse_sums.resize(slots);
   scratch.zeros.assign(padded, 0.0f);
   float* keys = scratch.keys.data();
   float* values = scratch.values.data();
-  float row_buffer[R * DV];  // the R rows' outputs, a chunk at a time
-  for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t row = cache_row(s, l, task.kv_head, base + t);
-    load_cache_row(k_cache + row, keys + t * D, D, row_scale(l.k_scales, row, D));
-    load_cache_row(v_cache + row, values + t * DV, DV, row_scale(l.v_scales, row, D));
-  }
-  const Vec scale = simd::set1(l.scale);
-  const Vec minus_infinity = simd::set1(-INFINITY);
   for (int64_t g = 0; g < l.group; ++g) {
     const int64_t head = task.kv_head * l.group + g;
-    float* queries = scratch.queries.data() + g * kQueryBlock * D;
-    float* scores = scratch.scores.data() + g * kQueryBlock * padded;
     for (int64_t i = 0; i < rows; ++i) {
       const T* src = q + (s.query_start + task.row_begin + i) * l.q_token_stride + head * l.q_head_stride;
-      load_row(src, queries + i * D, D);
+      load_row(src, scratch.queries.data() + (g * kQueryBlock + i) * D, D);
     }
-    const float sink = l.sink(head);
-    for (int64_t i0 = 0; i0 < rows; i0 += R) {
-      int64_t position[R], first[R];  // each row's last and first key
-      for (int i = 0; i < R; ++i) {
-        const int64_t r = task.row_begin + std::min<int64_t>(i0 + i, rows - 1);
-        position[i] = s.position(r) - base;
-        first[i] = s.first_key(r, l.window) - base;
-      }
-      // The rows' tiles: keys outside them are masked for every row.
-      const int64_t first_tile = first[0] / kTile, tiles = position[R - 1] / kTile + 1;
-      // Scores, masked outside each row's keys, and each row's max.
-      Vec vmax[R];
-      for (int i = 0; i < R && i0 + i < rows; ++i) {
-        vmax[i] = minus_infinity;
+  }
+  const auto scores_of = [&](int64_t g, int64_t i) { return scratch.scores.data() + (g * kQueryBlock + i) * padded; };
+  const Vec scale = simd::set1(l.scale);
+  const Vec minus_infinity = simd::set1(-INFINITY);
+
+  // Scores, masked outside each row's keys, and each row's max, a chunk of keys at a time.
+  for (int64_t c0 = 0; c0 < num_tiles; c0 += kChunkTiles) {
+    const int64_t c1 = std::min(num_tiles, c0 + kChunkTiles), key0 = c0 * kTile;
+    widen_rows(k_cache, l.k_scales, s, l, task.kv_head, base, key0, c1 * kTile, num_keys, D, keys);
+    for (int64_t g = 0; g < l.group; ++g) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t j = i / R, slot = g * kQueryBlock + i;
+        const int64_t from = std::max(c0, groups.first_tile[j]), to = std::min(c1, groups.tiles[j]);
+        if (from >= to) continue;
         Vec qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = simd::load(queries + (i0 + i) * D + W * c);
-        for (int64_t tile = first_tile; tile < tiles; ++tile) {
+        for (int c = 0; c < C; ++c) qv[c] = simd::load(scratch.queries.data() + slot * D + W * c);
+        float* row = scores_of(g, i);
+        Vec vmax = from == groups.first_tile[j] ? minus_infinity : simd::load(scratch.maxima.data() + slot * W);
+        for (int64_t tile = from; tile < to; ++tile) {
           const int64_t t0 = tile * kTile, in_tile = std::min<int64_t>(kTile, num_keys - t0);
-          const Vec sc = tile_scores<C>(qv, in_tile, [&](int64_t k) { return keys + (t0 + k) * D; }, scale);
-          vmax[i] = simd::max(vmax[i], visible_lanes(first[i], position[i], tile, sc, minus_infinity));
-          simd::store(scores + (i0 + i) * padded + t0, sc);
+          const Vec sc = tile_scores<C>(qv, in_tile, [&](int64_t k) { return keys + (t0 - key0 + k) * D; }, scale);
+          vmax = simd::max(vmax, visible_lanes(groups.first[i], groups.position[i], tile, sc, minus_infinity));
+          simd::store(row + t0, sc);
         }
+        simd::store(scratch.maxima.data() + slot * W, vmax);
       }
-      // Rows past the task's last (R does not divide its rows) read a row of zeros below: no work, no value.
-      const float* probs[R];
-      for (int i = 0; i < R; ++i) probs[i] = i0 + i < rows ? scores + (i0 + i) * padded : scratch.zeros.data();
-      // Softmax numerators, zero outside each row's keys; 1 / their sum (and the sink's) is applied to the
-      // output.
-      float inverse_sum[R];
-      for (int i = 0; i < R && i0 + i < rows; ++i) {
-        float* row = scores + (i0 + i) * padded;
-        const float m_scalar = std::max(simd::reduce_max(vmax[i]), sink);
-        const Vec m = simd::set1(m_scalar);
-        Vec vsum = simd::zero();
-        for (int64_t tile = first_tile; tile < tiles; ++tile) {
-          const Vec e = visible_lanes(first[i], position[i], tile,
-                                      simd::exp_nonpositive(simd::sub(simd::load(row + tile * kTile), m)), simd::zero());
-          simd::store(row + tile * kTile, e);
-          vsum = simd::add(vsum, e);
+    }
+  }
+  // Softmax numerators, zero outside each row's keys; 1 / their sum (and the sink's) is applied to the output.
+  float* inverse_sums = scratch.inverse_sums.data();
+  for (int64_t g = 0; g < l.group; ++g) {
+    const float sink = l.sink(task.kv_head * l.group + g);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t j = i / R, slot = g * kQueryBlock + i;
+      float* row = scores_of(g, i);
+      const float m_scalar = std::max(simd::reduce_max(simd::load(scratch.maxima.data() + slot * W)), sink);
+      const Vec m = simd::set1(m_scalar);
+      Vec vsum = simd::zero();
+      for (int64_t tile = groups.first_tile[j]; tile < groups.tiles[j]; ++tile) {
+        const Vec e = visible_lanes(groups.first[i], groups.position[i], tile,
+                                    simd::exp_nonpositive(simd::sub(simd::load(row + tile * kTile), m)), simd::zero());
+        simd::store(row + tile * kTile, e);
+        vsum = simd::add(vsum, e);
+      }
+      inverse_sums[slot] = 1.0f / (simd::reduce_add(vsum) + std::exp(sink - m_scalar));
+    }
+  }
+  // sums = sum_t p_t v_t, R rows and CB output vectors at a time, a chunk of values at a time: each sum goes on
+  // from where the chunk before left it (fp32 in the scratch), so its terms are added in the same order.
+  for (int64_t c0 = 0; c0 < num_tiles; c0 += kChunkTiles) {
+    const int64_t c1 = std::min(num_tiles, c0 + kChunkTiles), key0 = c0 * kTile;
+    widen_rows(v_cache, l.v_scales, s, l, task.kv_head, base, key0, c1 * kTile, num_keys, DV, values);
+    for (int64_t g = 0; g < l.group; ++g) {
+      for (int64_t j = 0; j < groups.count; ++j) {
+        const int64_t from = std::max(c0, groups.first_tile[j]), to = std::min(c1, groups.tiles[j]);
+        if (from >= to) continue;
+        const bool first = from == groups.first_tile[j];
+        // Rows past the task's last (R does not divide its rows) read a row of zeros, and the last row's sums,
+        // which they do not write back: no work, no value.
+        const float* probs[R];
+        float* sums[R];
+        for (int i = 0; i < R; ++i) {
+          const int64_t row = j * R + i;
+          probs[i] = row < rows ? scores_of(g, row) : scratch.zeros.data();
+          sums[i] = scratch.sums.data() + (g * kQueryBlock + std::min(row, rows - 1)) * DV;
         }
-        inverse_sum[i] = 1.0f / (simd::reduce_add(vsum) + std::exp(sink - m_scalar));
-      }
-      // out = sum_t p_t v_t / sum_t p_t, CB output vectors at a time
-      for (int c0 = 0; c0 < CV; c0 += CB) {
-        Vec acc[R][CB];
-        for (int i = 0; i < R; ++i)
-          for (int c = 0; c < CB; ++c) acc[i][c] = simd::zero();
-        for (int64_t t = first_tile * kTile; t < tiles * kTile; ++t) {
-          Vec v[CB];
-          for (int c = 0; c < CB; ++c) v[c] = simd::load(values + t * DV + W * (c0 + c));
-          for (int i = 0; i < R; ++i) {
-            const Vec p = simd::set1(probs[i][t]);
-            for (int c = 0; c < CB; ++c) acc[i][c] = simd::fmadd(p, v[c], acc[i][c]);
+        for (int c0v = 0; c0v < CV; c0v += CB) {
+          Vec acc[R][CB];
+          for (int i = 0; i < R; ++i)
+            for (int c = 0; c < CB; ++c) acc[i][c] = first ? simd::zero() : simd::load(sums[i] + W * (c0v + c));
+          for (int64_t t = from * kTile; t < to * kTile; ++t) {
+            const float* v = values + (t - key0) * DV + W * c0v;
+            Vec p[R];
+            for (int i = 0; i < R; ++i) p[i] = simd::set1(probs[i][t]);
+            for (int c = 0; c < CB; ++c) {
+              const Vec vc = simd::load(v + W * c);
+              for (int i = 0; i < R; ++i) acc[i][c] = simd::fmadd(p[i], vc, acc[i][c]);
+            }
           }
+          for (int i = 0; i < R && j * R + i < rows; ++i)
+            for (int c = 0; c < CB; ++c) simd::store(sums[i] + W * (c0v + c), acc[i][c]);
         }
-        for (int i = 0; i < R && i0 + i < rows; ++i)
-          for (int c = 0; c < CB; ++c)
-            simd::store(row_buffer + i * DV + W * (c0 + c), simd::mul(acc[i][c], simd::set1(inverse_sum[i])));
       }
-      for (int i = 0; i < R && i0 + i < rows; ++i)
-        store_row(row_buffer + i * DV, out + (s.query_start + task.row_begin + i0 + i) * l.out_token_stride + head * l.out_head_stride, DV);
+    }
+  }
+  // out = sums / sum_t p_t
+  for (int64_t g = 0; g < l.group; ++g) {
+    const int64_t head = task.kv_head * l.group + g;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t slot = g * kQueryBlock + i;
+      float* sum = scratch.sums.data() + slot * DV;
+      const Vec inverse = simd::set1(inverse_sums[slot]);
+      for (int c = 0; c < CV; ++c) simd::store(sum + W * c, simd::mul(simd::load(sum + W * c), inverse));
+      store_row(sum, out + (s.query_start + task.row_begin + i) * l.out_token_stride + head * l.out_head_stride, DV);
     }
   }
 }
