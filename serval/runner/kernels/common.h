@@ -251,6 +251,15 @@ inline simd::Vec tile_scores(const simd::Vec* q, int64_t num_keys, KeyRow key, s
   return simd::mul(simd::sum_each(partial), scale);
 }
 
+// Both attention kernels' V passes: output vectors a chunk, and the accumulators a pass keeps in registers.
+// AVX-512 (32 registers): all of a head of up to 16 vectors, else 8 (a 512-wide latent), 16 accumulators. AVX2
+// (16 registers): chunks of 4 vectors and 12 accumulators, beside the weights and one V vector. Each output
+// value's sum goes over the same keys in the same order whatever the chunk (batch invariance).
+constexpr int value_chunk(int vectors) {
+  return simd::kWidth == 16 ? (vectors <= 16 ? vectors : 8) : std::min(vectors, 4);
+}
+constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 12;
+
 // A tile's lanes of `a` for the keys in [first, position], `outside` elsewhere: tile t holds keys t W ..
 // t W + W - 1 (W = kWidth), positions counted as the caller counts them. Both attention kernels mask by it.
 inline simd::Vec visible_lanes(int64_t first, int64_t position, int64_t tile, simd::Vec a, simd::Vec outside) {

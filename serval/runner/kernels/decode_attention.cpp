@@ -89,17 +89,10 @@ inline simd::Vec visible(const Context& c, int64_t t0, simd::Vec a, simd::Vec ou
   return visible_lanes(c.skip, c.len - 1, t0 / simd::kWidth, a, outside);
 }
 
-// The V pass's output vectors at a time, and the accumulators it keeps in registers (NH = their number / the
-// chunk: the heads a sweep over the V rows takes). AVX-512: all of a head of up to 16 vectors, else 8 (a
-// 512-wide latent: 32 or 64 vectors, past the register file), and 16 accumulators, half the register file.
-// AVX2 (16 registers): chunks of 4 vectors and 12 accumulators, so that a sweep takes 3 heads (the default
-// model's group) and each V row is read once for them, not once a head: a row of 64 fp32 values (4 cache
-// lines) did not stay in L1 from one head's sweep to the next, and the three sweeps' reads from L2 bound the
-// pass. Each output value's sum goes over the same tokens in the same order either way.
-constexpr int value_chunk(int vectors) {
-  return simd::kWidth == 16 ? (vectors <= 16 ? vectors : 8) : std::min(vectors, 4);
-}
-constexpr int kValueAccumulators = simd::kWidth == 16 ? 16 : 12;
+// The V pass takes common.h's value_chunk output vectors at a time and kValueAccumulators / that many heads a
+// sweep over the V rows (NH). On AVX2 (chunks of 4, 12 accumulators) a sweep takes 3 heads (the default model's
+// group) and each V row is read once for them, not once a head: a row of 64 fp32 values (4 cache lines) did not
+// stay in L1 from one head's sweep to the next, and the three sweeps' reads from L2 bound the pass.
 
 // One sweep of the V pass over NH heads of a group and one chunk of CB output vectors: each V row is read and
 // widened once for all NH heads. out_h = sum_t p_h,t v_t * inv_h, the tokens in order, as one head alone sums.

@@ -113,18 +113,11 @@ void attend_task_plain(const T* q, const K* k_cache, const K* v_cache, T* out, c
   }
 }
 
-// The V pass's output vectors at a time, and its rows at a time (R): R * CB output accumulators in registers,
-// beside the rows' R weights and one V vector. AVX-512 (32 registers): all of a head of up to 16 vectors, else 8
-// (a 512-wide latent), and 16 accumulators. AVX2 (16 registers): chunks of 4 vectors, 3 rows, 12 accumulators
-// (as decode_attention.cpp's V pass); with 16 (2 rows of a whole 8-vector head) two of them lived on the stack,
-// a store and a reload on each key's chain, and with 8 (2 rows) the FMAs' latency bound each key's step. Each
-// output value's sum goes over the same keys in the same order either way (decode_attention.cpp's too).
-constexpr int value_chunk(int vectors) {
-  return simd::kWidth == 16 ? (vectors <= 16 ? vectors : 8) : std::min(vectors, 4);
-}
-constexpr int value_rows(int chunk) {
-  return simd::kWidth == 16 ? (chunk <= 4 ? 4 : (chunk <= 8 ? 2 : 1)) : std::max(1, 12 / chunk);
-}
+// The V pass's rows at a time (R), each with common.h's value_chunk output vectors: R * CB accumulators of
+// kValueAccumulators, beside the rows' R weights and one V vector, at most 4 rows. AVX2: 3 rows of 4-vector
+// chunks (12 accumulators); with 16 (2 rows of a whole 8-vector head) two of them lived on the stack, a store and
+// a reload on each key's chain, and with 8 (2 rows) the FMAs' latency bound each key's step.
+constexpr int value_rows(int chunk) { return std::clamp(kValueAccumulators / chunk, 1, 4); }
 
 // The keys a pass takes at a time: every query row of the task (its G heads' 16 rows) goes over one chunk of K
 // (then of V), widened into `keys` (`values`) and kept in L1, before the next. A row at a time over all of the
