@@ -57,6 +57,7 @@ _HEADERS = tuple(
         "int8_split.h",
         "group_output.h",
         "int8_codes.h",
+        "int8_rows_amx.h",
         "int8_rows_avx2.h",
         "decode_stack.h",
     )

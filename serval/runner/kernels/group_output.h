@@ -40,16 +40,23 @@ inline void emit_swiglu(const float* gate, const float* up, int64_t M, int64_t i
   }
 }
 
+// What a thread holds while it runs a share of groups: nothing, or AMX's tile configuration (int8_rows_amx.h).
+struct NoScope {
+  int operator()() const { return 0; }
+};
+
 // An int8-row matmul's groups handed out over the threads, each group's fp32 columns made by fill(G, y, stride)
 // (y: the group's first column of row 0, rows stride apart) into out, or into the thread's tile and then where
 // `to` says (a SwiGLU item: group G and its up group G + num_groups / 2). fine: one item at a time (long items);
-// else guided shares of runs of about 1/16 of them, so that each thread streams consecutive codes.
-template <typename Fill>
+// else guided shares of runs of about 1/16 of them, so that each thread streams consecutive codes. scope() is
+// made on the thread before each share and held until it is done.
+template <typename Fill, typename Scope = NoScope>
 void run_groups(int64_t M, int64_t num_groups, float* out, int64_t out_stride, const GroupOutput& to, bool fine,
-                const Fill& fill) {
+                const Fill& fill, const Scope& scope = {}) {
   const int parts = to.swiglu ? 2 : 1;
   const int64_t items = num_groups / parts;
   parallel_chunks(items, fine ? 1 : items / 16, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] const auto held = scope();
     std::vector<float> tile(to.by_group() ? parts * M * kGroup : 0);
     for (int64_t item = begin; item < end; ++item) {
       for (int part = 0; part < parts; ++part) {

@@ -53,6 +53,13 @@ template <Layout L>
     for (int r = 0; r < kGroup; ++r) m[r] = -16.0f * d[r];
 }
 
+#if defined(__AVX512VNNI__)
+// Word order that makes dword r of a nibble chunk row r's 4 consecutive weights: the chunk's 32-byte half h
+// holds row r's weights 2h, 2h + 1 (of its 4) in word r, so dword r takes word r of half 0, then of half 1.
+alignas(64) inline constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+
 // Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.
 template <Layout L>
 inline __m256i int8_codes(__m256i nibbles) {

@@ -15,6 +15,7 @@
 // an exact integer: y += d dx dot(q, xq) + m sum(x_b) in fp32, sum(x_b) of the rounded x (quantized.h says
 // why). The AVX-512 passes are here; the AVX2 ones in int8_rows_avx2.h; MXFP4's signed codes and the block
 // scales both take in int8_codes.h.
+#include "int8_rows_amx.h"
 #include "int8_rows_avx2.h"
 
 using namespace serval_kernels;
@@ -32,11 +33,6 @@ inline __m512i broadcast_quad(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-
-// Word order that makes dword r of a nibble chunk row r's 4 consecutive weights: the chunk's 32-byte half h
-// holds row r's weights 2h, 2h + 1 (of its 4) in word r, so dword r takes word r of half 0, then of half 1.
-alignas(64) constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // out[r][0:16] = group G's products with rows r0 .. r0 + R of x, over all of K (out: the group's first column
 // of row 0, in the result or in a thread's tile). Chunk c's low
@@ -153,13 +149,30 @@ void matmul_impl(const In* x, int64_t M, const PackedMatrix& w, int64_t num_grou
   const Int8Split split = split_for_int8<L == Layout::kQ8>(x, M, w.K);  // Q8_0's x + 128 (group_pass_q8)
   const Int8Rows& xq = split.rows;
   const GroupPass full = group_pass_for<L>(kPassRows), rest = group_pass_for<L>(M % kPassRows);
+#if defined(SERVAL_HAS_AMX)
+  // Whole tiles of 16 rows through AMX where it may be used (int8_rows_amx.h), the rows past them here.
+  const int64_t tiled = M >= amx::kTileRows && amx::usable() ? M / amx::kTileRows * amx::kTileRows : 0;
+  const amx::TileScales by_tile = tiled > 0 ? amx::tile_scales(xq, tiled, w.K / kBlock) : amx::TileScales{};
+#else
+  constexpr int64_t tiled = 0;
+#endif
   // Runs of consecutive groups in guided shares (about 16 a call, as the int16 path's), so that each thread
   // streams consecutive codes: handed out one group at a time, the threads' interleaved groups made a
   // 16-row decode step 1.4x the int16 path's time (AMD family 26), the kernel alone being 0.7x.
-  run_groups(M, num_groups, out, out_stride, to, /*fine=*/false, [&](int64_t G, float* y, int64_t stride) {
-    for (int64_t r0 = 0; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, y, stride);
+  const auto fill = [&](int64_t G, float* y, int64_t stride) {
+#if defined(SERVAL_HAS_AMX)
+    if (tiled > 0) amx::group_tiles<L>(w, G, xq, by_tile, tiled, y, stride);
+#endif
+    for (int64_t r0 = tiled; r0 < M; r0 += kPassRows) (M - r0 >= kPassRows ? full : rest)(w, G, xq, r0, y, stride);
     add_outlier_products<L>(w, G, split.outliers, y, stride);
-  });
+  };
+#if defined(SERVAL_HAS_AMX)
+  if (tiled > 0) {
+    run_groups(M, num_groups, out, out_stride, to, /*fine=*/false, fill, [] { return amx::TileScope(); });
+    return;
+  }
+#endif
+  run_groups(M, num_groups, out, out_stride, to, /*fine=*/false, fill);
 }
 #elif defined(__AVX2__)
 using avx2::matmul_impl;
