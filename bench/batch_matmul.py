@@ -81,7 +81,7 @@ def main() -> None:
             packed_ms = median_ms(packed.matmul, matmul, x, before=before)
             gflop = 2 * rows * n * k / 1e9
             print(json.dumps({
-                "bench": "batch_matmul", "variant": kernels.variant, "type": args.type, "dtype": args.dtype,
+                "bench": "batch_matmul", "variant": kernels.variant, "amx_tiles": kernels.int8_tile_rows() > 0, "type": args.type, "dtype": args.dtype,
                 "int8_activations": args.int8_activations,
                 "shape": shape, "rows": rows, "dense_ms": round(dense_ms, 3), "packed_ms": round(packed_ms, 3),
                 "packed_over_dense": round(packed_ms / dense_ms, 2), "packed_mb": round(packed.nbytes / 1e6, 2),

@@ -188,7 +188,7 @@ def main() -> None:
             print(json.dumps({
                 "bench": "decode_step", "batch_size": batch_size, "variant": variant,
                 "threads": runner.num_threads, "dtype": runner.info.dtype,
-                "kernels": runner.info.kernel_variant, "batch_activations": runner.info.batch_activations,
+                "kernels": runner.info.kernel_variant, "amx_tiles": runner.info.amx_tiles, "batch_activations": runner.info.batch_activations,
                 "median_ms": round(median * 1e3, 2), "p10_ms": round(samples[len(samples) // 10] * 1e3, 2),
                 "tokens_per_s": round(batch_size / median, 1),
                 "host_median_ms": round(statistics.median(host_times[variant]) * 1e3, 3),

@@ -183,7 +183,7 @@ def main() -> None:
     info = engine.runner.info
     print(json.dumps({
         "bench": "step_profile", "batch_size": args.batch_size, "prefill_tokens": args.prefill_tokens,
-        "kernels": info.kernel_variant, "dtype": info.dtype, "batch_activations": info.batch_activations,
+        "kernels": info.kernel_variant, "amx_tiles": info.amx_tiles, "dtype": info.dtype, "batch_activations": info.batch_activations,
         "kv_cache_dtype": info.cache_dtype,
         # A mixed step never takes the fused decode path: both figures are then the layer path's.
         "fused_step_ms": round(fused_ms, 2), "layered_step_ms": round(layered_ms, 2),

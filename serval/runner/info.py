@@ -24,6 +24,8 @@ class RunnerInfo:
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     weight_format: str = ""  # the checkpoint's matrices, most weights first: "Q4_1+Q8_0", "BF16"
     kernel_variant: str = "none"  # the native CPU kernels in use (kernels.VARIANTS' names), or none
+    # Whether the int8 path takes whole tiles of 16 rows through AMX (kernels/int8_rows_amx.h: Sapphire Rapids on)
+    amx_tiles: bool = False
     attention_backend: str = "sdpa"  # runner/attention/selector.py's choice: "native-cpu", "triton" or "sdpa"
     packed_weights: bool = False  # block-quantized matrices run packed (runner/quantization.py)
     # How packed 4-bit matmuls take x (every row count, wherever AVX2 is), in effect:
@@ -69,7 +71,13 @@ class RunnerInfo:
     def _packed_text(self) -> str:
         if not self.packed_weights:
             return ""
-        return " (packed, int8 batch activations)" if self.batch_activations == "int8" else " (packed)"
+        if self.batch_activations != "int8":
+            return " (packed)"
+        return (
+            " (packed, int8 batch activations, AMX tiles)"
+            if self.amx_tiles
+            else " (packed, int8 batch activations)"
+        )
 
     def _parallel_text(self) -> str:
         return (

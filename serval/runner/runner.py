@@ -52,6 +52,7 @@ class ModelRunner:
         self.weight_formats = checkpoint.weight_formats
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.kernel_variant = "none" if kernels is None else kernels.variant
+        self.amx_tiles = kernels is not None and kernels.int8_tile_rows() > 0
         self.dtype = resolve_dtype(model_config.dtype, self.device, self.weight_formats)
         self.max_model_len = min(
             model_config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
@@ -158,6 +159,7 @@ class ModelRunner:
             weight_format="+".join(self.weight_formats),
             packed_weights=self.has_packed_weights,
             kernel_variant=self.kernel_variant,
+            amx_tiles=self.amx_tiles and self.batch_activations == "int8" and self.has_packed_weights,
             attention_backend=self.attention_backend.name,
             batch_activations=self.batch_activations,
             num_threads=self.num_threads,

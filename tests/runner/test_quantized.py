@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -22,10 +27,12 @@ from serval.runner.quantization import (
     sixteen_bit_form,
 )
 from tests.fixtures.gguf_writer import write_gguf_from_state_dict
+from tests.fixtures.kernels import require_kernels
 from tests.fixtures.quants import random_blocks
 
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Every block type, in the order of GGML's enum.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_TYPES = sorted(BLOCK_CODE_TYPES)
 
 
@@ -250,6 +257,48 @@ def test_each_row_is_computed_alike_whatever_the_row_count(kernels, qtype, int8,
         alone = torch.cat([packed.matmul(kernel, rows[r : r + 1]) for r in range(len(rows))])
         for count in (2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 70):
             assert torch.equal(packed.matmul(kernel, rows[:count]), alone[:count]), (dtype, count)
+
+
+TILE_TYPES = [t for t in BLOCK_TYPES if t.name in ("Q4_0", "Q4_1", "Q4_K", "MXFP4", "Q8_0")]
+
+
+def amx_case_results(kernels) -> list[torch.Tensor]:
+    """The int8 path's results for the layouts AMX tiles take: 37 rows of x (2 whole tiles and 5 rows for the
+    passes), fp32 and bf16, outliers in tiled and untiled rows, K past several spans of 8 scale blocks."""
+    kernel = quantized_matmul(kernels, int8_batch_activations=True)
+    results = []
+    for qtype in TILE_TYPES:
+        cols = 1792 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 1568
+        raw, _ = _file_matrix(qtype, 40, cols, seed=5)
+        packed = pack_block_codes(block_codes(raw, qtype, (40, cols)))
+        x = torch.randn(37, cols, generator=torch.Generator().manual_seed(5)) * 3
+        x[4, 9], x[35, 100] = 700.0, -650.0
+        results += [packed.matmul(kernel, x), packed.matmul(kernel, x.bfloat16())]
+    return results
+
+
+def test_amx_tiles_give_the_bits_of_the_vpdpbusd_passes(tmp_path):
+    """Where the int8 path takes whole tiles of 16 rows through AMX (int8_rows_amx.h: Sapphire Rapids and
+    later), each row's result is bitwise what the VPDPBUSD passes give it: the same matmuls in a process with
+    AMX turned off (SERVAL_DISABLE_AMX=1; the choice is made once a process). (The row-count test above
+    compares tiled batches with lone rows, which the passes compute, on such a CPU too.)"""
+    kernels = require_kernels("avx512")
+    if kernels.int8_tile_rows() == 0:
+        pytest.skip("this CPU or kernel does not let the process use AMX-INT8")
+    assert kernels.int8_tile_rows() == 16
+    with_tiles = amx_case_results(kernels)
+    out = tmp_path / "passes.pt"
+    script = (
+        "import sys, torch; from serval.runner.kernels import load_cpu_kernels;"
+        " from tests.runner.test_quantized import amx_case_results; k = load_cpu_kernels('avx512');"
+        " assert k.int8_tile_rows() == 0; torch.save(amx_case_results(k), sys.argv[1])"
+    )
+    env = {**os.environ, "SERVAL_DISABLE_AMX": "1"}
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, env=env, cwd=REPO_ROOT, timeout=600)
+    without_tiles = torch.load(out)
+    assert len(with_tiles) == len(without_tiles) == 2 * len(TILE_TYPES)
+    for qtype, tiled, passes in zip([t for t in TILE_TYPES for _ in (0, 1)], with_tiles, without_tiles):
+        assert torch.equal(tiled, passes), qtype.name
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)

@@ -172,7 +172,7 @@ def test_int8_batch_activations_stay_near_the_exact_path(state_dict, tmp_path, k
     )
     in_effect = "float32" if kernels.variant == "portable" else "int8"  # the portable build has no int8 path
     assert rounded.runner.info.batch_activations == in_effect
-    assert ("(packed, int8 batch activations)" in rounded.runner.info.describe()) == (in_effect == "int8")
+    assert ("(packed, int8 batch activations" in rounded.runner.info.describe()) == (in_effect == "int8")
     assert exact.runner.info.batch_activations == "float32" and "(packed)," in exact.runner.info.describe()
     for prompt in PROMPTS:
         want = _serval_logits(exact, prompt)

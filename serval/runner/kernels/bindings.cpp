@@ -49,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   // From how many rows int8_batch_activations takes int8 x (0: never in this build).
   m.attr("int8_rows_from") = int8_rows_from();
+  m.def("int8_tile_rows", &int8_tile_rows, "16 where the int8 path takes whole tiles of rows through AMX, else 0");
   m.def("moe_experts", &moe_experts,
         "a sparse MoE layer's routed experts (tokens grouped by expert, experts in parallel) over packed stacks",
         release());

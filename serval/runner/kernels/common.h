@@ -297,6 +297,9 @@ void quantized_linear_add_(at::Tensor residual, at::Tensor x, at::Tensor codes, 
 // From how many rows of x int8_batch_activations rounds x to int8 where the build has the layout (has_int8_rows;
 // quantized_int8.cpp says why per build); 0 where this build has no int8 path.
 int64_t int8_rows_from();
+// The rows of x an AMX tile product takes where this process uses AMX for the int8 path (int8_rows_amx.h): 16,
+// or 0 (no AMX-INT8, not granted by Linux, SERVAL_DISABLE_AMX=1, or a build without it).
+int64_t int8_tile_rows();
 // x @ w.T for dense w (N, K) in fp32, bf16 or f16, each output summed over K in one order whatever x's row
 // count (dense_linear.cpp); the result in x's dtype. Also quantized_linear's 16-bit layout (GGUF F16/BF16).
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);

@@ -245,3 +245,11 @@ int64_t int8_rows_from() {
   return 0;
 #endif
 }
+
+int64_t int8_tile_rows() {
+#if defined(SERVAL_HAS_AMX)
+  return serval_kernels::quantized::amx::usable() ? serval_kernels::quantized::amx::kTileRows : 0;
+#else
+  return 0;
+#endif
+}
