@@ -31,8 +31,8 @@ from tests.fixtures.kernels import require_kernels
 from tests.fixtures.quants import random_blocks
 
 BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
-# Every block type, in the order of GGML's enum.
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Every block type, in the order of GGML's enum.
 BLOCK_TYPES = sorted(BLOCK_CODE_TYPES)
 
 

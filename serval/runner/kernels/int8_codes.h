@@ -58,6 +58,29 @@ template <Layout L>
 // holds row r's weights 2h, 2h + 1 (of its 4) in word r, so dword r takes word r of half 0, then of half 1.
 alignas(64) inline constexpr int16_t kRowQuads[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// A 4-bit chunk c (64 bytes) as the unsigned operands of VPDPBUSD and AMX's TDPBSUD: `low` holds each row's
+// weights 8c .. 8c + 3 (dword r: row r), `high` its weights 8c + 4 .. 8c + 7; MXFP4's nibbles looked up in
+// kInt8Table.
+template <Layout L>
+[[gnu::always_inline]] inline void nibble_row_quads(const uint8_t* chunk, __m512i& low, __m512i& high) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), order = _mm512_load_si512(kRowQuads);
+  const __m512i packed = _mm512_loadu_si512(chunk);
+  low = _mm512_and_si512(packed, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  if constexpr (Traits<L>::kCodeTable) {  // unsigned v + 12 (kInt8Table)
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table)));
+    low = _mm512_shuffle_epi8(table, low);
+    high = _mm512_shuffle_epi8(table, high);
+  }
+  low = _mm512_permutexvar_epi16(order, low);
+  high = _mm512_permutexvar_epi16(order, high);
+}
+
+// A Q8_0 chunk c (64 bytes) as the signed operand: dword r holds row r's weights 4c .. 4c + 3.
+[[gnu::always_inline]] inline __m512i int8_row_quads(const uint8_t* chunk) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kRowQuads), _mm512_loadu_si512(chunk));
+}
 #endif
 
 // Masked nibbles (0..15 in each byte) as the products take them: the codes, or MXFP4's kInt8Table values.

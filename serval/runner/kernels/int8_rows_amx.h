@@ -77,7 +77,6 @@ struct alignas(64) Stage {
 template <Layout L>
 inline void stage_span(const PackedMatrix& w, int64_t G, int64_t s0, int64_t n, Stage& stage) {
   constexpr int kChunks = Traits<L>::kChunks;
-  const __m512i order = _mm512_load_si512(kRowQuads), nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t s = s0 + b;
     const uint8_t* block = w.codes + G * w.group_bytes + s * kChunks * kChunkBytes;
@@ -85,23 +84,18 @@ inline void stage_span(const PackedMatrix& w, int64_t G, int64_t s0, int64_t n, 
       const __m512i one_twenty_eight = _mm512_set1_epi8(static_cast<char>(0x80));
       __m512i shift = _mm512_setzero_si512();
       for (int c = 0; c < kChunks; ++c) {
-        const __m512i codes = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(block + c * kChunkBytes));
+        const __m512i codes = int8_row_quads(block + c * kChunkBytes);
         shift = _mm512_dpbusd_epi32(shift, one_twenty_eight, codes);
         _mm512_store_si512(stage.codes[b][c], codes);
       }
       _mm512_store_si512(stage.shift[b], shift);
       block_scales<L>(w, G, s, stage.d[b], stage.m[b]);
     } else {
-      for (int c = 0; c < 4; ++c) {  // chunk c: weights 8c .. 8c + 3 (low nibbles) and 8c + 4 .. 8c + 7 (high)
-        const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
-        __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-        if constexpr (Traits<L>::kCodeTable) {
-          const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table)));
-          low = _mm512_shuffle_epi8(table, low);
-          high = _mm512_shuffle_epi8(table, high);
-        }
-        _mm512_store_si512(stage.codes[b][2 * c], _mm512_permutexvar_epi16(order, low));
-        _mm512_store_si512(stage.codes[b][2 * c + 1], _mm512_permutexvar_epi16(order, high));
+      for (int c = 0; c < kChunks; ++c) {  // B rows 2c and 2c + 1: weights 8c .. 8c + 3 and 8c + 4 .. 8c + 7
+        __m512i low, high;
+        nibble_row_quads<L>(block + c * kChunkBytes, low, high);
+        _mm512_store_si512(stage.codes[b][2 * c], low);
+        _mm512_store_si512(stage.codes[b][2 * c + 1], high);
       }
       int8_block_scales<L>(w, G, s, stage.d[b], stage.m[b]);
     }

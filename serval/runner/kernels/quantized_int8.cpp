@@ -45,8 +45,6 @@ template <Layout L, int R>
 void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0, float* out, int64_t out_stride) {
   constexpr int kChains = R <= 2 ? 4 : 1;
   const int64_t K = w.K, num_blocks = K / kBlock;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i order = _mm512_load_si512(kRowQuads);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
@@ -56,15 +54,8 @@ void group_pass(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t r0
       for (int k = 0; k < kChains; ++k) chains[r][k] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
-      const __m512i packed = _mm512_loadu_si512(block + c * kChunkBytes);
-      __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (Traits<L>::kCodeTable) {  // unsigned v + 12 (kInt8Table)
-        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kInt8Table)));
-        low = _mm512_shuffle_epi8(table, low);
-        high = _mm512_shuffle_epi8(table, high);
-      }
-      low = _mm512_permutexvar_epi16(order, low);
-      high = _mm512_permutexvar_epi16(order, high);
+      __m512i low, high;
+      nibble_row_quads<L>(block + c * kChunkBytes, low, high);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq.codes.data() + (r0 + r) * K + s * kBlock + 8 * c;
         __m512i& chain = chains[r][c % kChains];
@@ -100,7 +91,7 @@ void group_pass_q8(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t
   constexpr int kChains = R <= 2 ? 4 : 1;
   constexpr int kChunks = Traits<Layout::kQ8>::kChunks;
   const int64_t K = w.K, num_blocks = K / kBlock;
-  const __m512i order = _mm512_load_si512(kRowQuads), one_twenty_eight = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i one_twenty_eight = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < num_blocks; ++s) {
@@ -110,7 +101,7 @@ void group_pass_q8(const PackedMatrix& w, int64_t G, const Int8Rows& xq, int64_t
       for (int k = 0; k < kChains; ++k) chains[r][k] = _mm512_setzero_si512();
     for (int c = 0; c < kChunks; ++c) {
       simd::prefetch(block + c * kChunkBytes + kPrefetchBytes);
-      const __m512i codes = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(block + c * kChunkBytes));
+      const __m512i codes = int8_row_quads(block + c * kChunkBytes);
       shift = _mm512_dpbusd_epi32(shift, one_twenty_eight, codes);
       for (int r = 0; r < R; ++r) {
         __m512i& chain = chains[r][c % kChains];
